@@ -1,0 +1,327 @@
+"""Typed run configuration: a tree of frozen dataclasses, TOML files, dotted overrides.
+
+A run's config is built in three layers: the dataclass defaults below, a TOML file from
+`configs/` (or any path), then `--set section.field=value` overrides. Every value is parsed
+to its field's declared type and the whole tree is validated before anything heavy starts;
+errors name the dotted field and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tomllib
+import typing
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CONFIG_DIR = REPO_ROOT / "configs"
+
+
+class ConfigError(ValueError):
+    """A config value or key is invalid; the message names the dotted field."""
+
+
+def _check(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field}: {message}")
+
+
+def _one_of(value: str, allowed: tuple[str, ...], field: str) -> None:
+    _check(value in allowed, field, f"got {value!r}, allowed: {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """LLaMA-family decoder shape and numerics (ignored fields are taken from `init` weights)."""
+
+    vocab_size: int = 0  # 0: the tokenizer's vocabulary size
+    hidden: int = 128
+    layers: int = 4
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 32
+    ffn: int = 384
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = True
+    remat: bool = False
+    dtype: str = "float32"  # compute dtype
+    param_dtype: str = "float32"
+    attention: str = "xla"  # xla (blocked online softmax) | reference (dense jnp oracle)
+    attention_block: int = 256
+    init: str = "scratch"  # scratch | smollm2-135m | hf:/path/to/dir
+    init_std: float = 0.02
+
+    def validate(self, prefix: str = "model") -> None:
+        for name in ("hidden", "layers", "heads", "kv_heads", "head_dim", "ffn", "attention_block"):
+            _check(getattr(self, name) > 0, f"{prefix}.{name}", f"must be > 0, got {getattr(self, name)}")
+        _check(self.vocab_size >= 0, f"{prefix}.vocab_size", "must be >= 0 (0 = from tokenizer)")
+        _check(self.heads % self.kv_heads == 0, f"{prefix}.kv_heads",
+               f"heads={self.heads} must be a multiple of kv_heads={self.kv_heads}")
+        _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", f"must be even for RoPE, got {self.head_dim}")
+        _one_of(self.dtype, ("float32", "bfloat16"), f"{prefix}.dtype")
+        _one_of(self.param_dtype, ("float32", "bfloat16"), f"{prefix}.param_dtype")
+        _one_of(self.attention, ("xla", "reference"), f"{prefix}.attention")
+        _check(self.init in ("scratch", "smollm2-135m") or self.init.startswith("hf:"), f"{prefix}.init",
+               f"got {self.init!r}, allowed: scratch, smollm2-135m, hf:/path/to/checkpoint_dir")
+        _check(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0, prefix,
+               "rope_theta, norm_eps and init_std must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenizerConfig:
+    """Which tokenizer turns text into ids."""
+
+    kind: str = "auto"  # auto | bpe | bytes | hf | model
+    path: str = ""  # tokenizer.json for kind=hf
+    vocab_size: int = 4096  # for kind=bpe (trained on the run's own corpus, cached in workdir)
+    train_bytes: int = 4_000_000  # text sampled from the corpus to train the BPE
+
+    def validate(self, prefix: str = "tokenizer") -> None:
+        _one_of(self.kind, ("auto", "bpe", "bytes", "hf", "model"), f"{prefix}.kind")
+        _check(self.kind != "hf" or bool(self.path), f"{prefix}.path", "required when tokenizer.kind=hf")
+        _check(self.vocab_size >= 300, f"{prefix}.vocab_size", f"must be >= 300, got {self.vocab_size}")
+        _check(self.train_bytes > 0, f"{prefix}.train_bytes", "must be > 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Where documents come from, how bad input is treated, and how a step's batch is cut."""
+
+    kind: str = "stdlib"  # stdlib | text | jsonl | chat | tokens
+    path: str = ""  # directory (text), file or directory of .jsonl (jsonl, chat), .npy/.npz (tokens)
+    extensions: tuple[str, ...] = (".py",)  # files read by kind=stdlib|text ("*" = all)
+    text_field: str = "text"  # kind=jsonl
+    max_len: int = 2048  # longest document piece, in tokens
+    long_policy: str = "split"  # split | truncate | drop, for documents longer than max_len
+    on_malformed: str = "error"  # error | skip, for bad JSON lines / records
+    on_undecodable: str = "skip"  # error | skip | replace, for files that are not valid UTF-8
+    tokens_per_step: int = 8192  # global batch token budget
+    row_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # allowed packed row lengths
+    rows_per_device: int = 1
+    seed: int = 0
+
+    def validate(self, prefix: str = "data") -> None:
+        _one_of(self.kind, ("stdlib", "text", "jsonl", "chat", "tokens"), f"{prefix}.kind")
+        _check(self.kind == "stdlib" or bool(self.path), f"{prefix}.path", f"required when data.kind={self.kind}")
+        _one_of(self.long_policy, ("split", "truncate", "drop"), f"{prefix}.long_policy")
+        _one_of(self.on_malformed, ("error", "skip"), f"{prefix}.on_malformed")
+        _one_of(self.on_undecodable, ("error", "skip", "replace"), f"{prefix}.on_undecodable")
+        _check(self.max_len >= 2, f"{prefix}.max_len", f"must be >= 2, got {self.max_len}")
+        _check(len(self.row_buckets) > 0 and all(b > 0 for b in self.row_buckets), f"{prefix}.row_buckets",
+               f"must be a non-empty list of positive lengths, got {list(self.row_buckets)}")
+        _check(list(self.row_buckets) == sorted(set(self.row_buckets)), f"{prefix}.row_buckets",
+               f"must be strictly increasing, got {list(self.row_buckets)}")
+        _check(max(self.row_buckets) >= self.max_len, f"{prefix}.row_buckets",
+               f"largest bucket {max(self.row_buckets)} must be >= data.max_len={self.max_len}")
+        _check(self.tokens_per_step >= self.max_len, f"{prefix}.tokens_per_step",
+               f"must be >= data.max_len={self.max_len}, got {self.tokens_per_step}")
+        _check(self.rows_per_device >= 1, f"{prefix}.rows_per_device", "must be >= 1")
+        _check(len(self.extensions) > 0, f"{prefix}.extensions", "must list at least one suffix or '*'")
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """Optimiser, schedule, loop length, checkpointing and logging."""
+
+    steps: int = 300
+    seed: int = 0
+    lr: float = 3e-3
+    warmup_steps: int = 20
+    min_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    checkpoint_every: int = 100
+    keep_checkpoints: int = 2
+    workdir: str = ""  # default: runs/<config name>-<timestamp>
+    progress: bool = True
+
+    def validate(self, prefix: str = "train") -> None:
+        _check(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")
+        _check(self.lr > 0, f"{prefix}.lr", f"must be > 0, got {self.lr}")
+        _check(0 <= self.warmup_steps <= self.steps, f"{prefix}.warmup_steps",
+               f"must be in [0, train.steps={self.steps}], got {self.warmup_steps}")
+        _check(0.0 <= self.min_lr_ratio <= 1.0, f"{prefix}.min_lr_ratio", "must be in [0, 1]")
+        _check(self.weight_decay >= 0, f"{prefix}.weight_decay", "must be >= 0")
+        _check(0 <= self.beta1 < 1 and 0 <= self.beta2 < 1, prefix, "beta1 and beta2 must be in [0, 1)")
+        _check(self.grad_clip > 0, f"{prefix}.grad_clip", "must be > 0")
+        _check(self.checkpoint_every >= 1, f"{prefix}.checkpoint_every", "must be >= 1")
+        _check(self.keep_checkpoints >= 1, f"{prefix}.keep_checkpoints", "must be >= 1")
+
+
+@dataclasses.dataclass(frozen=True)
+class ParallelConfig:
+    """Device mesh: how many devices and how parameters are sharded."""
+
+    devices: int = 0  # 0: all visible devices
+    fsdp: bool = True  # shard parameters and optimiser state over all devices
+
+    def validate(self, prefix: str = "parallel") -> None:
+        _check(self.devices >= 0, f"{prefix}.devices", "must be >= 0 (0 = all)")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """The whole run."""
+
+    name: str = "default"
+    model: ModelConfig = ModelConfig()
+    tokenizer: TokenizerConfig = TokenizerConfig()
+    data: DataConfig = DataConfig()
+    train: TrainConfig = TrainConfig()
+    parallel: ParallelConfig = ParallelConfig()
+
+    def validate(self) -> "Config":
+        for f in dataclasses.fields(self):
+            section = getattr(self, f.name)
+            if dataclasses.is_dataclass(section):
+                section.validate(f.name)
+        pretrained = self.model.init != "scratch"
+        _check(not pretrained or self.tokenizer.kind in ("auto", "model"), "tokenizer.kind",
+               f"got {self.tokenizer.kind!r} with model.init={self.model.init!r}: a pretrained model uses "
+               "its own tokenizer (kind=auto or model)")
+        _check(pretrained or self.tokenizer.kind != "model", "tokenizer.kind",
+               "kind=model needs a pretrained model.init (smollm2-135m or hf:DIR)")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# --------------------------------------------------------------------------- parsing
+
+
+def _parse_scalar(text: str, typ: Any, field: str) -> Any:
+    if typ is bool:
+        low = text.strip().lower()
+        if low in ("true", "1", "yes", "on"):
+            return True
+        if low in ("false", "0", "no", "off"):
+            return False
+        raise ConfigError(f"{field}: expected a boolean (true/false), got {text!r}")
+    if typ is int:
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"{field}: expected an integer, got {text!r}") from None
+    if typ is float:
+        try:
+            return float(text)
+        except ValueError:
+            raise ConfigError(f"{field}: expected a number, got {text!r}") from None
+    return text
+
+
+def _coerce(value: Any, typ: Any, field: str) -> Any:
+    """Turns a TOML value or an override string into the field's declared type."""
+    origin = typing.get_origin(typ)
+    if origin is tuple:
+        (elem,) = {a for a in typing.get_args(typ) if a is not Ellipsis}
+        if isinstance(value, str):
+            items = [v for v in value.strip().strip("[]()").split(",") if v.strip()]
+        elif isinstance(value, (list, tuple)):
+            items = list(value)
+        else:
+            raise ConfigError(f"{field}: expected a list, got {value!r}")
+        return tuple(_coerce(v, elem, field) for v in items)
+    if isinstance(value, str):
+        return _parse_scalar(value.strip() if typ is not str else value, typ, field)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is bool and not isinstance(value, bool):
+        raise ConfigError(f"{field}: expected a boolean, got {value!r}")
+    if typ in (int, float, str) and (not isinstance(value, typ) or isinstance(value, bool) and typ is not bool):
+        raise ConfigError(f"{field}: expected {typ.__name__}, got {value!r}")
+    return value
+
+
+def _field_types(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _replace_path(node: Any, path: list[str], value: Any, full: str) -> Any:
+    if not dataclasses.is_dataclass(node):
+        raise ConfigError(f"{full}: {'.'.join(path)} is not a config section")
+    types = _field_types(type(node))
+    key = path[0]
+    if key not in types:
+        allowed = ", ".join(sorted(types))
+        where = full[: len(full) - len(".".join(path))].rstrip(".") or "config"
+        raise ConfigError(f"{full}: unknown key {key!r} in {where}; allowed: {allowed}")
+    if len(path) == 1:
+        if dataclasses.is_dataclass(types[key]):
+            raise ConfigError(f"{full}: is a section; set one of its fields, e.g. {full}.<field>=...")
+        return dataclasses.replace(node, **{key: _coerce(value, types[key], full)})
+    child = _replace_path(getattr(node, key), path[1:], value, full)
+    return dataclasses.replace(node, **{key: child})
+
+
+def _flatten(tree: dict[str, Any], prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in tree.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.extend(_flatten(v, key + "."))
+        else:
+            out.append((key, v))
+    return out
+
+
+def apply_overrides(cfg: Config, overrides: dict[str, Any] | list[str]) -> Config:
+    """Applies `{"a.b": value}` or `["a.b=value", ...]` overrides, typed by the fields."""
+    if isinstance(overrides, dict):
+        items = list(overrides.items())
+    else:
+        items = []
+        for text in overrides:
+            if "=" not in text:
+                raise ConfigError(f"override {text!r}: expected key=value, e.g. train.steps=20")
+            key, value = text.split("=", 1)
+            items.append((key.strip(), value))
+    for key, value in items:
+        cfg = _replace_path(cfg, key.split("."), value, key)
+    return cfg
+
+
+def resolve_config_path(name_or_path: str) -> Path:
+    """A name from configs/ (with or without .toml) or a path to a TOML file."""
+    candidates = [Path(name_or_path), CONFIG_DIR / name_or_path, CONFIG_DIR / f"{name_or_path}.toml"]
+    for path in candidates:
+        if path.is_file():
+            return path
+    shipped = ", ".join(sorted(p.stem for p in CONFIG_DIR.glob("*.toml")))
+    raise ConfigError(f"--config {name_or_path!r}: no such file; shipped configs: {shipped}")
+
+
+def load_config(name_or_path: str | None = "default", overrides: list[str] | None = None) -> Config:
+    """Defaults ← TOML file ← overrides, validated."""
+    cfg = Config()
+    if name_or_path:
+        path = resolve_config_path(name_or_path)
+        try:
+            tree = tomllib.loads(path.read_text())
+        except tomllib.TOMLDecodeError as e:
+            raise ConfigError(f"{path}: not valid TOML: {e}") from None
+        tree.setdefault("name", path.stem)
+        cfg = apply_overrides(cfg, dict(_flatten(tree)))
+    cfg = apply_overrides(cfg, overrides or [])
+    return cfg.validate()
+
+
+def config_from_json(text: str) -> Config:
+    """Inverse of Config.to_json (used to read a run's saved config)."""
+    return apply_overrides(Config(), dict(_flatten(json.loads(text)))).validate()
+
+
+def default_workdir(cfg: Config) -> str:
+    import time
+
+    return os.path.join("runs", f"{cfg.name}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -1,0 +1,129 @@
+"""Per-step metrics: the `metrics.jsonl` writer, useful-FLOP accounting for MFU, and the
+console progress bar.
+
+MFU counts only useful FLOPs: the matmuls of the real (non-padding) tokens, and attention
+inside each document under the causal mask (s·(s+1)/2 query-key pairs for a document of s
+tokens), never padding or cross-document pairs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Iterable
+
+from jaxsb.config import ModelConfig
+
+# Dense peak FLOP/s per chip for bf16 matmul (vendor data sheets); CPUs are measured.
+_PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v6 lite": 918e12,
+}
+
+
+def matmul_params(cfg: ModelConfig) -> int:
+    """Parameters that take part in a matmul per token (embedding lookup excluded, LM head
+    included whether tied or not)."""
+    e, h, k, d, f = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn
+    per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
+    return cfg.layers * per_layer + e * cfg.vocab_size
+
+
+def useful_train_flops(cfg: ModelConfig, doc_lengths: Iterable[int]) -> float:
+    """Forward + backward FLOPs (3 × forward) for one step over these packed documents."""
+    lengths = list(doc_lengths)
+    tokens = sum(lengths)
+    linear = 2.0 * matmul_params(cfg) * tokens
+    # QK^T and PV: 2 matmuls × 2 FLOPs per multiply-add, over causal pairs within documents.
+    pairs = sum(s * (s + 1) / 2 for s in lengths)
+    attention = 4.0 * pairs * cfg.heads * cfg.head_dim * cfg.layers
+    return 3.0 * (linear + attention)
+
+
+def measure_matmul_flops(size: int = 1024, repeats: int = 3) -> float:
+    """This host's matmul FLOP/s on one device (the CPU's practical peak)."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((size, size), jnp.float32)
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t0)
+    return 2.0 * size**3 / best
+
+
+def peak_flops_per_device() -> tuple[float, str]:
+    """(FLOP/s, where the figure comes from). Simulated CPU devices share the host's cores,
+    so for CPU the measured matmul rate is divided among them."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        kind = getattr(dev, "device_kind", "")
+        for name, peak in _PEAK_FLOPS.items():
+            if name.lower() in kind.lower():
+                return peak, f"data sheet ({kind})"
+        return 0.0, f"unknown device kind {kind!r}: MFU not reported"
+    host = measure_matmul_flops()
+    return host / jax.device_count(), f"measured host matmul {host / 1e9:.0f} GFLOP/s shared by {jax.device_count()} CPU devices"
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to `metrics.jsonl` (kept across resumes)."""
+
+    def __init__(self, path: str, resume_from_step: int = 0):
+        self.path = path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        if os.path.exists(path):
+            # Drop records past the checkpoint we resume from: those steps run again.
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_from_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
+        self._file = open(path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps(record) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: str) -> list[dict[str, Any]]:
+    with open(path) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+class Progress:
+    """A one-line progress bar with loss, tokens/s and ETA (tqdm), or plain lines when off."""
+
+    def __init__(self, total: int, initial: int, enabled: bool):
+        self._bar = None
+        self._enabled = enabled
+        if enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
+                             file=sys.stderr, smoothing=0.1)
+
+    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s", refresh=False)
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()

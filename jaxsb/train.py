@@ -1,0 +1,34 @@
+"""`python -m jaxsb.train`: parse the config, set up devices, train, print the summary."""
+
+from __future__ import annotations
+
+import sys
+
+from jaxsb.cli import base_parser, init_devices, parse_config
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = base_parser("Train a LLaMA-style model with jaxsb.").parse_args(argv)
+    cfg = parse_config(args)
+    init_devices()
+    from jaxsb.config import ConfigError
+    from jaxsb.data import DataError
+    from jaxsb.trainer import train
+
+    try:
+        result = train(cfg)
+    except (ConfigError, DataError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    steps = result.last_step - result.first_step
+    print(f"\ntrained {steps} steps ({result.first_step} -> {result.last_step}), {result.tokens:,} tokens "
+          f"in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s); "
+          f"final loss {result.final_loss if result.final_loss is None else round(result.final_loss, 4)}")
+    print(f"compiled programs: {result.compiles}")
+    print(result.data_summary)
+    print(f"outputs: {result.workdir}/ (metrics.jsonl, checkpoints/, config.json, summary.json)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,34 @@
+"""The one table of numerical tolerances for every comparison in the test suite.
+
+Keyed by (what is compared, dtype). Values are (rtol, atol). They are set from the dtype's
+precision and the reduction length of the quantity, and are never loosened to make a test
+pass: a failure means a bug or a real change in numerics, to be understood first.
+"""
+
+import numpy as np
+
+TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
+    # attention outputs and their gradients vs the dense jnp reference
+    ("attention_out", "float32"): (2e-5, 2e-5),
+    ("attention_grad", "float32"): (1e-4, 1e-4),
+    ("attention_out", "bfloat16"): (2e-2, 2e-2),
+    ("attention_grad", "bfloat16"): (5e-2, 5e-2),
+    # whole-model logits and loss: jaxsb model vs an independent numpy implementation
+    ("model_logits", "float32"): (1e-4, 1e-3),
+    ("model_loss", "float32"): (1e-5, 1e-5),
+    # bf16 compute vs f32 compute of the same tiny model (8-bit mantissa over a 2-layer stack)
+    ("model_logits", "bfloat16"): (2e-2, 2e-1),
+    # jax.checkpoint recomputes the same ops: bit-identical on CPU
+    ("remat_grad", "float32"): (1e-6, 0.0),
+    # the same step under different device counts / shardings (reduction order differs)
+    ("sharded_loss", "float32"): (1e-5, 1e-6),
+    ("sharded_grad", "float32"): (1e-4, 1e-6),
+    # resumed vs uninterrupted training, same device count: identical programs
+    ("resume_loss", "float32"): (1e-6, 0.0),
+}
+
+
+def tol(what: str, dtype) -> dict[str, float]:
+    """kwargs for np.testing.assert_allclose."""
+    rtol, atol = TOLERANCES[(what, np.dtype(dtype).name)]
+    return {"rtol": rtol, "atol": atol}
