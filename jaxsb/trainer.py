@@ -159,7 +159,7 @@ def make_train_step(graphdef, rest, tx) -> Callable:
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
-        return new_state, {"loss": loss, "grad_norm": optax.global_norm(grads), "targets": count}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": count}
 
     return train_step
 
@@ -255,26 +255,25 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         tokens_total += tokens
         final_loss = record["loss"]
 
-    with mesh:
-        for step in range(start + 1, cfg.train.steps + 1):
-            batch = data.next()
-            arrays = batch_to_device(batch, mesh_lib.batch_sharding(mesh))
-            c0 = compiler.compile_seconds
-            compiled, is_new = compiler.get(state, arrays)
-            paused_s += compiler.compile_seconds - c0
-            state, metrics = compiled(state, arrays)
-            if pending is not None:
-                finish(pending)
-            pending = {"step": step, "metrics": metrics, "batch": batch, "compiled": is_new,
-                       "compile_s": compiler.compile_seconds - c0}
-            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                jax.block_until_ready(state)  # the step's own compute is step time
-                t0 = time.perf_counter()
-                ckpt.save(step, state, {"data": data.state(), "step": step})
-                ckpt.wait()
-                paused_s += time.perf_counter() - t0
+    for step in range(start + 1, cfg.train.steps + 1):
+        batch = data.next()
+        arrays = batch_to_device(batch, mesh_lib.batch_sharding(mesh))
+        c0 = compiler.compile_seconds
+        compiled, is_new = compiler.get(state, arrays)
+        paused_s += compiler.compile_seconds - c0
+        state, metrics = compiled(state, arrays)
         if pending is not None:
             finish(pending)
+        pending = {"step": step, "metrics": metrics, "batch": batch, "compiled": is_new,
+                   "compile_s": compiler.compile_seconds - c0}
+        if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+            jax.block_until_ready(state)  # the step's own compute is step time
+            t0 = time.perf_counter()
+            ckpt.save(step, state, {"data": data.state(), "step": step})
+            ckpt.wait()
+            paused_s += time.perf_counter() - t0
+    if pending is not None:
+        finish(pending)
     progress.close()
     writer.close()
     ckpt.close()

@@ -67,7 +67,8 @@ def test_loss_falls(tmp_path):
     cfg = tiny(tmp_path, "train.steps=30", "train.lr=1e-2", "train.checkpoint_every=30")
     train(cfg, log=lambda *_: None)
     losses = [r["loss"] for r in read_metrics(os.path.join(tmp_path, "metrics.jsonl"))]
-    assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 1.0, losses
+    # from ln(512) = 6.24 at init; a broken gradient or optimiser would not move it this far
+    assert np.mean(losses[-5:]) < np.mean(losses[:3]) - 0.5, losses
 
 
 def test_resume_with_other_model_config_is_refused(reference_run, tmp_path):
