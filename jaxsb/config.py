@@ -50,7 +50,7 @@ class ModelConfig:
     remat: bool = False
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    attention: str = "xla"  # xla (blocked online softmax) | reference (dense jnp oracle)
+    attention: str = "xla"  # xla (blocked online softmax) | reference (dense jnp oracle) | jax (jax.nn.dot_product_attention)
     attention_block: int = 256
     init: str = "scratch"  # scratch | smollm2-135m | hf:/path/to/dir
     init_std: float = 0.02
@@ -64,7 +64,7 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", f"must be even for RoPE, got {self.head_dim}")
         _one_of(self.dtype, ("float32", "bfloat16"), f"{prefix}.dtype")
         _one_of(self.param_dtype, ("float32", "bfloat16"), f"{prefix}.param_dtype")
-        _one_of(self.attention, ("xla", "reference"), f"{prefix}.attention")
+        _one_of(self.attention, ("xla", "reference", "jax"), f"{prefix}.attention")
         _check(self.init in ("scratch", "smollm2-135m") or self.init.startswith("hf:"), f"{prefix}.init",
                f"got {self.init!r}, allowed: scratch, smollm2-135m, hf:/path/to/checkpoint_dir")
         _check(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0, prefix,

@@ -19,29 +19,13 @@ from jaxsb.cli import base_parser, init_devices, parse_config
 
 def window_nll(model, ids: list[int], window: int) -> tuple[float, int]:
     """Sum of next-token negative log-likelihoods over non-overlapping windows, and count."""
-    import jax
-    import jax.numpy as jnp
-    import numpy as np
-    from flax import nnx
-
-    from jaxsb.models.loss import next_token_loss
-
-    @nnx.jit
-    def nll(model, tokens, targets, mask):
-        seg = jnp.ones_like(tokens)
-        pos = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32), tokens.shape)
-        return next_token_loss(model(tokens, seg, pos), targets, mask)
+    from jaxsb.models.generate import next_token_nll
 
     total, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
-        piece = ids[start:start + window + 1]
-        if len(piece) < 2:
-            break
-        tokens = np.asarray(piece[:-1], np.int32)[None]
-        targets = np.asarray(piece[1:], np.int32)[None]
-        s, n = jax.device_get(nll(model, tokens, targets, np.ones_like(tokens, np.float32)))
-        total += float(s)
-        count += int(n)
+        s, n = next_token_nll(model, ids[start:start + window + 1])  # >= 2 tokens by the range
+        total += s
+        count += n
     return total, count
 
 

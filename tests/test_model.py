@@ -210,9 +210,10 @@ def test_remat_same_loss_and_grads():
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), **tol("remat_grad", "float32"))
 
 
-def test_attention_implementations_agree():
+@pytest.mark.parametrize("other", ["reference", "jax"])
+def test_attention_implementations_agree(other):
     model, params = make_model()
-    ref_model = Llama(dataclasses.replace(TINY, attention="reference"), rngs=nnx.Rngs(0))
+    ref_model = Llama(dataclasses.replace(TINY, attention=other), rngs=nnx.Rngs(0))
     apply_pretrained(ref_model, params)
     batch = tuple(map(jnp.asarray, packed_batch()))
     real = np.asarray(batch[1]) > 0

@@ -13,6 +13,7 @@ segment_ids[i] == segment_ids[j] and j <= i. Segment id 0 marks padding.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 
 
 def _kernel():
@@ -31,12 +32,27 @@ def attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
     """Causal, document-masked attention with grouped kv heads; returns [B,T,H,D] in q.dtype.
 
     `implementation` is `ModelConfig.attention` ("xla" blocked online softmax, "reference"
-    dense oracle); `block` is `ModelConfig.attention_block`, used for both q and k blocks.
+    dense oracle, "jax" `jax.nn.dot_product_attention` with an explicit mask, the baseline of
+    scripts/bench_train.py); `block` is `ModelConfig.attention_block`, used for both q and k blocks.
     """
     heads, kv_heads = q_BxTxHxD.shape[2], k_BxTxKxD.shape[2]
     if heads % kv_heads:
         raise ValueError(f"query heads {heads=} must be a multiple of {kv_heads=}")
+    if implementation == "jax":
+        return _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT)
     flash_attention = _kernel()
     # segment ids go positionally: the kernel names that parameter `segment_ids_BxT`
     return flash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, causal=True,
                            implementation=implementation, block_q=block, block_k=block)
+
+
+def _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT):
+    """`jax.nn.dot_product_attention` with the same causal document mask, materialised [B,1,T,T]."""
+    T = q_BxTxHxD.shape[1]
+    causal_TxT = jnp.tril(jnp.ones((T, T), bool))
+    if segment_ids_BxT is None:
+        mask_Bx1xTxT = causal_TxT[None, None]
+    else:
+        same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
+        mask_Bx1xTxT = (same_BxTxT & causal_TxT)[:, None]
+    return jax.nn.dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask=mask_Bx1xTxT)

@@ -30,14 +30,20 @@ def sequence_logits(model, tokens: list[int]) -> np.ndarray:
     return np.asarray(_forward(model, *_single_row(tokens))[0])
 
 
-def mean_next_token_nll(model, tokens: list[int]) -> float:
-    """Mean -log p(tokens[t+1] | tokens[:t+1]) over the document; exp() of it is perplexity."""
+def next_token_nll(model, tokens: list[int]) -> tuple[float, int]:
+    """(sum of -log p(tokens[t+1] | tokens[:t+1]) over the document, number of predictions)."""
     toks, seg, pos = _single_row(tokens)
     logits = _forward(model, toks, seg, pos)
     targets = jnp.concatenate([toks[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
     mask = jnp.concatenate([jnp.ones((1, len(tokens) - 1)), jnp.zeros((1, 1))], axis=1)
     total, count = next_token_loss(logits, targets, mask)
-    return float(total / count)
+    return float(total), int(count)
+
+
+def mean_next_token_nll(model, tokens: list[int]) -> float:
+    """Mean next-token negative log-likelihood over the document; exp() of it is perplexity."""
+    total, count = next_token_nll(model, tokens)
+    return total / count
 
 
 def greedy_generate(model, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
