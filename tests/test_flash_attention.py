@@ -244,7 +244,7 @@ def test_batch_sharded_jit_matches_reference():
         (((2, 8, 4, 8), (2, 8, 2, 8), (2, 8, 2, 4)), {}, "v.shape=(2, 8, 2, 4)"),
         (((2, 8, 4, 8), (2, 8, 2, 16), (2, 8, 2, 16)), {}, "disagree on B, T or D"),
         (((2, 8, 32), (2, 8, 2, 16), (2, 8, 2, 16)), {}, "q.shape=(2, 8, 32)"),
-        (((2, 8, 4, 8),) * 3, {"implementation": "pallas"}, "implementation='pallas'"),
+        (((2, 8, 4, 8),) * 3, {"implementation": "triton"}, "implementation='triton'"),
         (((2, 8, 4, 8),) * 3, {"segment_ids": np.ones((2, 7), np.int32)}, "(2, 7)"),
         (((2, 8, 4, 8),) * 3, {"segment_ids": np.ones((2, 8), np.float32)}, "integer"),
         (((2, 8, 4, 8),) * 3, {"block_q": 0}, "block_q=0"),

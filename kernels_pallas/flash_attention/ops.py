@@ -2,21 +2,33 @@
 
 implementation:
   "xla"       blocked online-softmax attention with a recomputing custom_vjp (xla.py);
+  "pallas"    Pallas kernels (pallas.py), FlashAttention-2 forward / dQ / dK,dV;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
-  "auto"      "xla" (a Pallas implementation for accelerators is later work).
+  "auto"      "pallas" when jax.default_backend() is "gpu", else "xla" (TPU: see
+              AUTO_PALLAS_BACKENDS).
+
+interpret (Pallas only): None = run the kernels in the Pallas interpreter iff the backend is
+CPU (slow; for tests); True / False force it. Compiled Pallas on CPU does not exist.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.flash_attention.pallas import flash_attention_pallas
 from kernels_pallas.flash_attention.reference import attention_reference
 from kernels_pallas.flash_attention.xla import flash_attention_xla
 
-IMPLEMENTATIONS = ("auto", "xla", "reference")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
+# "auto" picks Pallas only where the kernels are expected to lower: the GPU (Triton) path.
+# On TPU, Mosaic wants the block tables as scalar-prefetch (SMEM) operands, which pallas.py
+# does not do yet, so "auto" stays on XLA there; implementation="pallas" still tries.
+AUTO_PALLAS_BACKENDS = ("gpu",)
+PALLAS_BACKENDS = ("gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +43,11 @@ class BlockSizes:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
+
+
+# Pallas holds a [block_q, block_k] float32 score tile per program (registers / shared memory
+# on GPU), so its blocks are smaller than the XLA version's.
+DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64)}
 
 
 def _check(q, k, v, segment_ids, implementation):
@@ -65,20 +82,42 @@ def flash_attention(
     segment_ids=None,
     causal: bool = True,
     implementation: str = "auto",
-    block_q: int = 256,
-    block_k: int = 256,
+    block_q: int | None = None,
+    block_k: int | None = None,
+    interpret: bool | None = None,
 ):
     """Attention with a document mask: token i sees token j iff their segment ids are equal
     and (not causal or j <= i). Padding carries segment id 0. Output has q's dtype.
 
     q [B,T,H,D], k/v [B,T,K,D], H % K == 0 (query head h uses kv head h // (H // K)),
     segment_ids [B,T] integer or None (one document per row). T need not be a multiple of
-    the block sizes.
+    the block sizes; None picks the implementation's default (DEFAULT_BLOCKS).
+    `interpret` only matters for the Pallas kernels (see the module doc).
     """
     _check(q, k, v, segment_ids, implementation)
-    blocks = BlockSizes(block_q, block_k)
     if implementation == "reference":
+        # same argument errors on every path
+        BlockSizes(*(1 if b is None else b for b in (block_q, block_k)))
         return attention_reference(q, k, v, segment_ids, causal)
+    backend = jax.default_backend()
+    if implementation == "auto":
+        implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    default = DEFAULT_BLOCKS[implementation]
+    blocks = BlockSizes(
+        default.block_q if block_q is None else block_q,
+        default.block_k if block_k is None else block_k,
+    )
+    if implementation == "pallas":
+        if interpret is None:
+            interpret = backend == "cpu"
+        if not interpret and backend not in PALLAS_BACKENDS:
+            raise ValueError(
+                f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
+                "pass interpret=True (or None) to use the Pallas interpreter"
+            )
+        return flash_attention_pallas(
+            q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k, bool(interpret)
+        )
     return flash_attention_xla(
         q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k
     )

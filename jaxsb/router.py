@@ -1,0 +1,166 @@
+"""MoBA-style block router: picks, per query block, the top-k key blocks to attend to.
+
+`route(q, k, segment_ids, budgets, block_size)` returns the metadata that
+`kernels_pallas.block_sparse_attention` consumes: `block_indices [B, K, nq, max_blocks]`,
+`block_counts [B, K, nq]`, plus a `Coverage` of how much routing mass the selection keeps.
+The budget (number of key blocks per query block) is per sequence, `budgets [B]`, so a tuner
+(SparseBalance) can change it every step without recompiling: only `max_blocks` is static.
+
+Scoring, per document (segment ids are assumed packed: each document one contiguous run,
+padding id 0 at the end; other layouts stay leak-free because the kernel masks by segment,
+they are just routed as runs):
+  * A key block j < n can only matter to the tokens of query block n that belong to the
+    document running through n's first token: any document present in both blocks contains
+    every position between them, hence n's first token. Documents that start inside block n
+    see only block n (the diagonal). So the score of (n, j) is computed for that one document d:
+      score = mean(q over block n's tokens of d, and over the G query heads of kv head k)
+            . mean(k over block j's tokens of d) / sqrt(D)
+    i.e. mean-pooled queries and keys, pooled only over the same document (a key block
+    straddling two documents is pooled over d's part only). Ineligible blocks: j > n (future,
+    causal at block level) and blocks holding no token of d.
+  * The diagonal block n is always selected (first slot); its score (same formula, over d's
+    tokens of block n) only enters the coverage.
+  * counts = min(max(budget, 1), eligible blocks, max_blocks); the list is ordered diagonal
+    first, then by decreasing score; entries past the count are unspecified (the kernel
+    ignores them).
+Coverage: softmax over the eligible block scores of each (row, kv head, query block); the
+share held by the selected blocks, in [0, 1], 1 when every eligible block is selected.
+Averaged over query blocks (weighted by their non-padding tokens) per (row, kv head) and per row.
+
+Selection is not differentiable (inputs are stop_gradient-ed); everything is jit-able with
+static `block_size` / `max_blocks`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+
+class Coverage(NamedTuple):
+    """Routing mass kept by the selection: per (row, kv head) [B, K] and per row [B]."""
+
+    per_kv_head: jax.Array
+    per_row: jax.Array
+
+
+def _pad_t(x, n, value=0):
+    if x.shape[1] == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, n - x.shape[1])
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _run_starts(seg_BxT):
+    """[B, T] int32: index of the first token of each token's run of equal segment ids."""
+    T = seg_BxT.shape[1]
+    pos = jnp.arange(T, dtype=jnp.int32)
+    boundary = jnp.concatenate(
+        [jnp.ones_like(seg_BxT[:, :1], bool), seg_BxT[:, 1:] != seg_BxT[:, :-1]], axis=1
+    )
+    return lax.cummax(jnp.where(boundary, pos, 0), axis=1)
+
+
+def block_scores(q, k, segment_ids, block_size: int):
+    """Routing scores [B, K, nq, nb] (float32; -inf where ineligible) and the per-query-block
+    token weights [B, nq] (non-padding tokens). nq == nb == ceil(T / block_size)."""
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    G = H // K
+    bs = block_size
+    nb = -(-T // bs)
+    Tp = nb * bs
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    # Padded tail: id -1 of its own, never shared with a real token.
+    seg_p = _pad_t(seg, Tp, value=-1)
+    qg = _pad_t(q.astype(jnp.float32), Tp).reshape(B, Tp, K, G, D).mean(3)  # [B, Tp, K, D]
+    kf = _pad_t(k.astype(jnp.float32), Tp)
+    # Within-block inclusive-exclusive prefix sums: P[:, j, c] = sum of the first c tokens.
+    def prefix(x):
+        xb = x.reshape(B, nb, bs, K, D)
+        zero = jnp.zeros((B, nb, 1, K, D), jnp.float32)
+        return jnp.concatenate([zero, jnp.cumsum(xb, axis=2)], axis=2)  # [B, nb, bs+1, K, D]
+
+    pq, pk = prefix(qg), prefix(kf)
+    ksum = pk[:, :, bs]  # [B, nb, K, D] whole-block key sums
+
+    starts = _run_starts(seg_p)  # [B, Tp]
+    first = jnp.arange(nb) * bs
+    rs = starts[:, first]  # [B, nq] start of the document through each block's first token
+    # End (exclusive) of that document inside block n: first position whose run start differs.
+    in_doc = starts.reshape(B, nb, bs) == rs[:, :, None]
+    e = in_doc.sum(-1)  # [B, nq] tokens of d in block n (>= 1; runs are contiguous)
+    bidx = jnp.arange(B)[:, None]
+    nidx = jnp.arange(nb)[None, :]
+    qbar = pq[bidx, nidx, e] / e[..., None, None]  # [B, nq, K, D]
+    kdiag = pk[bidx, nidx, e] / e[..., None, None]  # [B, nq, K, D]
+    # Partial first block of d (block js = rs // bs): its keys from rs to the block end.
+    js = rs // bs
+    off = rs - js * bs
+    kpart = (ksum[bidx, js] - pk[bidx, js, off]) / (bs - off)[..., None, None]  # [B, nq, K, D]
+
+    scale = 1.0 / math.sqrt(D)
+    hi = lax.Precision.HIGHEST
+    s_full = jnp.einsum("bnkd,bjkd->bknj", qbar, ksum / bs, precision=hi) * scale
+    s_part = jnp.einsum("bnkd,bnkd->bkn", qbar, kpart, precision=hi) * scale
+    s_diag = jnp.einsum("bnkd,bnkd->bkn", qbar, kdiag, precision=hi) * scale
+    j = jnp.arange(nb)[None, None, None, :]
+    n = jnp.arange(nb)[None, None, :, None]
+    js_ = js[:, None, :, None]
+    scores = jnp.where(j == js_, s_part[..., None], s_full)
+    scores = jnp.where(j == n, s_diag[..., None], scores)
+    eligible = (j <= n) & (j >= js_)
+    scores = jnp.where(eligible, scores, -jnp.inf)
+    weights = (seg_p.reshape(B, nb, bs) > 0).sum(-1).astype(jnp.float32)
+    return scores, weights
+
+
+def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | None = None):
+    """Top-k key blocks per query block with a per-sequence k.
+
+    q [B,T,H,D], k [B,T,K,D], segment_ids [B,T] int or None, budgets [B] int (key blocks per
+    query block, clamped to [1, max_blocks]), block_size and max_blocks static (max_blocks
+    defaults to nb = ceil(T / block_size)). Returns (block_indices [B,K,nb,max_blocks] int32,
+    block_counts [B,K,nb] int32, Coverage).
+    """
+    B, T, H, D = q.shape
+    K = k.shape[2]
+    if H % K != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
+    if k.shape[:2] != (B, T) or k.shape[3] != D:
+        raise ValueError(f"q [B,T,H,D] and k [B,T,K,D] disagree: {q.shape=} {k.shape=}")
+    if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    nb = -(-T // block_size)
+    max_blocks = nb if max_blocks is None else max_blocks
+    if not isinstance(max_blocks, int) or not 1 <= max_blocks <= nb:
+        raise ValueError(f"max_blocks={max_blocks!r} must be an int in [1, {nb}] (T={T}, {block_size=})")
+    if tuple(jnp.shape(budgets)) != (B,):
+        raise ValueError(f"budgets.shape={tuple(jnp.shape(budgets))} must be (B,)={(B,)}")
+    if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
+        raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
+
+    q, k = lax.stop_gradient(q), lax.stop_gradient(k)
+    scores, weights = block_scores(q, k, segment_ids, block_size)  # [B,K,nq,nb], [B,nq]
+    eligible = jnp.isfinite(scores)
+    n_eligible = eligible.sum(-1)  # >= 1: the diagonal
+    diag = jnp.arange(nb)[:, None] == jnp.arange(nb)[None, :]
+    ranked = jnp.where(diag, jnp.inf, scores)  # diagonal first, then by score
+    # top_k breaks ties by the lower index, so the selection is deterministic.
+    _, idx = lax.top_k(ranked, max_blocks)
+    budget = jnp.clip(jnp.asarray(budgets, jnp.int32), 1, max_blocks)[:, None, None]
+    counts = jnp.minimum(budget, n_eligible).astype(jnp.int32)
+
+    # Coverage: softmax over eligible scores; selected = first `counts` ranked entries.
+    p = jax.nn.softmax(jnp.where(eligible, scores, -jnp.inf), axis=-1)
+    p_ranked = jnp.take_along_axis(p, idx, axis=-1)
+    kept = (p_ranked * (jnp.arange(max_blocks) < counts[..., None])).sum(-1)
+    kept = jnp.clip(kept, 0.0, 1.0)  # [B, K, nq]
+    w = jnp.where(weights.sum(-1, keepdims=True) > 0, weights, 1.0)[:, None, :]  # [B, 1, nq]
+    per_head = (kept * w).sum(-1) / w.sum(-1)
+    return idx.astype(jnp.int32), counts, Coverage(per_head, per_head.mean(-1))

@@ -1,0 +1,86 @@
+"""Public entry point: `block_sparse_attention` checks its arguments and dispatches.
+
+implementation:
+  "xla"       slot-looped gather attention with a recomputing custom_vjp (xla.py); its work
+              follows max(block_counts), not the static list length;
+  "reference" the dense jnp oracle (reference.py), O(T^2) memory;
+  "auto"      "xla" (a Pallas kernel is separate work).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.block_sparse_attention.reference import block_sparse_attention_reference
+from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
+
+IMPLEMENTATIONS = ("auto", "xla", "reference")
+
+
+def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation):
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
+    if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
+        raise ValueError(f"block_size={block_size!r} must be a positive int")
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [B, T, heads, head_dim], got {name}.shape={x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {name}.dtype={x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape=} {v.shape=}")
+    B, T, H, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, T, D):
+        raise ValueError(f"q [B,T,H,D] and k [B,T,K,D] disagree on B, T or D: {q.shape=} {k.shape=}")
+    K = k.shape[2]
+    if H % K != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
+    nq = -(-T // block_size)
+    if block_indices.ndim != 4 or tuple(block_indices.shape[:3]) != (B, K, nq):
+        raise ValueError(
+            f"block_indices.shape={tuple(block_indices.shape)} must be (B, K, q_blocks, max_blocks)"
+            f" with (B, K, q_blocks)={(B, K, nq)} (T={T}, {block_size=})"
+        )
+    if tuple(block_counts.shape) != (B, K, nq):
+        raise ValueError(f"block_counts.shape={tuple(block_counts.shape)} must be {(B, K, nq)}")
+    for name, x in (("block_indices", block_indices), ("block_counts", block_counts)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {name}.dtype={x.dtype}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integer, got {segment_ids.dtype=}")
+
+
+def block_sparse_attention(
+    q,
+    k,
+    v,
+    block_indices,
+    block_counts,
+    segment_ids=None,
+    block_size: int = 128,
+    implementation: str = "auto",
+):
+    """Causal, document-masked attention restricted to selected key blocks.
+
+    q [B,T,H,D], k/v [B,T,K,D] (H % K == 0; query head h reads kv head h // (H // K)).
+    block_indices [B,K,nq,max_blocks] int: for each (row, kv head, query block of
+    `block_size` tokens) the key blocks it attends to; block_counts [B,K,nq] int: how many of
+    those entries are valid (the rest are ignored, whatever they hold). nq = ceil(T /
+    block_size); T need not be a multiple of block_size. Inside a selected block token i
+    sees token j iff j <= i and segment_ids[i] == segment_ids[j] (padding is 0; None = one
+    document). Valid entries that repeat an earlier one count once; out-of-range valid
+    entries select nothing. A row that sees nothing outputs 0. Output has q's dtype.
+    Not differentiable in block_indices / block_counts / segment_ids.
+    """
+    _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation)
+    if implementation == "reference":
+        return block_sparse_attention_reference(
+            q, k, v, block_indices, block_counts, segment_ids, int(block_size)
+        )
+    return block_sparse_attention_xla(
+        q, k, v, block_indices, block_counts, segment_ids, int(block_size)
+    )

@@ -1,0 +1,470 @@
+"""Pallas flash attention (FlashAttention-2): forward, dQ and dK/dV kernels, `jax.custom_vjp`.
+
+Three `pl.pallas_call`s, all arithmetic float32 whatever the input dtype:
+  * forward, grid (B, H, nq): one query block per program, online softmax over the key blocks
+    it can see; writes the output and the per-query log-sum-exp (lse);
+  * dQ, grid (B, H, nq): same walk, recomputes p = exp(s - lse) and accumulates dQ;
+  * dK/dV, grid (B, K, nk): one key block per program; loops over the G = H // K query heads
+    that share it (GQA) and the query blocks that can see it, accumulating dK and dV.
+delta = rowsum(dO * O) is a cheap elementwise pass done in jnp before the backward kernels.
+
+Layout inside: q/o [B, H, Tq, Dp] (viewed as [B, K, G, Tq, Dp] by the dK/dV kernel, so query
+head h = kv_head * G + g reads kv head h // G), k/v [B, K, Tk, Dp]. Dp is D padded up to a power
+of two >= 16 (the Triton lowering wants power-of-two loads and dot sizes >= 16); the padded
+columns are zeros, change no score, and are sliced off.
+
+Work skipping, per batch row (each program knows its row): `block_tables` classifies every
+(query block, key block) pair from per-block segment-id ranges as SKIP / FULL / PARTIAL (the
+same conservative rule as xla.block_kinds, not reduced over the batch) and derives, for each
+query block, the [first, last + 1) range of key blocks that are not SKIP (and the transpose for
+each key block). The kernels loop only over that range (so causal pairs above the diagonal and
+documents far away cost nothing), and inside it a `lax.switch` on the pair's kind runs nothing
+for SKIP pairs in the middle of the range (e.g. a query block holding a document and padding
+sees the first document's key blocks and the padding's, not the ones between), no mask
+arithmetic for FULL pairs, and the mask for PARTIAL ones.
+
+Padding: T is padded to whole blocks (Tq, Tk). Padded queries copy the last real segment id
+(they see real keys; their outputs are sliced off and their cotangent is zero); padded keys are
+removed by a position mask (j < T), and the last key block is never FULL when Tk > T.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+# Finite on purpose, as in xla.py: exp(NEG - m) underflows to exactly 0 for any real running
+# max m; masked probabilities are also zeroed explicitly.
+NEG = -1e30
+SKIP, FULL, PARTIAL = 0, 1, 2
+_HI = lax.Precision.HIGHEST
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _dot(a, b, dims):
+    return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=jnp.float32)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static blocking of one call (hashable: it is a nondiff argument of the custom_vjp)."""
+
+    T: int
+    D: int
+    bq: int
+    bk: int
+    causal: bool
+    interpret: bool
+
+    @property
+    def nq(self) -> int:
+        return -(-self.T // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.T // self.bk)
+
+    @property
+    def Tq(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def Tk(self) -> int:
+        return self.nk * self.bk
+
+    @property
+    def Dp(self) -> int:
+        return max(16, _next_pow2(self.D))
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.D)
+
+
+def make_plan(T: int, D: int, causal: bool, block_q: int, block_k: int, interpret: bool) -> Plan:
+    """Blocks longer than the sequence are shrunk to the next power of two >= T (>= 16)."""
+    cap = max(16, _next_pow2(T))
+    plan = Plan(T, D, min(block_q, cap), min(block_k, cap), bool(causal), bool(interpret))
+    if not interpret:
+        for name, b in (("block_q", plan.bq), ("block_k", plan.bk)):
+            if b & (b - 1) or b < 16:
+                raise ValueError(
+                    f"{name}={b} must be a power of two >= 16 for compiled Pallas "
+                    f"(got {block_q=}, {block_k=}, T={T})"
+                )
+    return plan
+
+
+# ----------------------------------------------------------------------------- block tables
+
+
+def _static_reachable(plan: Plan) -> np.ndarray:
+    qi = np.arange(plan.nq)[:, None]
+    ki = np.arange(plan.nk)[None, :]
+    if not plan.causal:
+        return np.ones((plan.nq, plan.nk), dtype=bool)
+    return ki * plan.bk <= (qi + 1) * plan.bq - 1  # first key <= last query
+
+
+def _static_full(plan: Plan) -> np.ndarray:
+    qi = np.arange(plan.nq)[:, None]
+    ki = np.arange(plan.nk)[None, :]
+    full = np.ones((plan.nq, plan.nk), dtype=bool)
+    if plan.causal:
+        full &= (ki + 1) * plan.bk - 1 <= qi * plan.bq  # last key <= first query
+    if plan.Tk > plan.T:
+        full &= ki != plan.nk - 1  # holds padded keys
+    return full
+
+
+def _range_of_true(x_BxNxM):
+    """[B, N, 2] int32: [first, last + 1) of the True entries on the last axis; [0, 0) if none."""
+    m = x_BxNxM.shape[-1]
+    any_ = x_BxNxM.any(-1)
+    first = jnp.argmax(x_BxNxM, axis=-1)
+    last1 = m - jnp.argmax(x_BxNxM[..., ::-1], axis=-1)
+    return jnp.stack(
+        [jnp.where(any_, first, 0), jnp.where(any_, last1, 0)], axis=-1
+    ).astype(jnp.int32)
+
+
+def block_tables(seg_q_BxTq, seg_k_BxTk, plan: Plan):
+    """Per-row block metadata: kinds [B, nq, nk] (SKIP / FULL / PARTIAL), k_range [B, nq, 2]
+    (key blocks a query block visits) and q_range [B, nk, 2] (query blocks a key block visits).
+
+    A pair is SKIP only if the ranges of nonzero ids of the two blocks do not overlap and not
+    both blocks hold padding (id 0), which implies no equal ids; conservative for any ids, and
+    tight for packed rows (contiguous documents, padding at the end).
+    """
+    B = seg_q_BxTq.shape[0]
+    big = jnp.iinfo(jnp.int32).max
+
+    def summary(seg, n, b):
+        s = seg.reshape(B, n, b)
+        nonzero = s != 0
+        return (
+            jnp.where(nonzero, s, big).min(-1),
+            jnp.where(nonzero, s, -big).max(-1),
+            (~nonzero).any(-1),
+            s.min(-1),
+            s.max(-1),
+        )
+
+    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in summary(seg_q_BxTq, plan.nq, plan.bq))
+    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in summary(seg_k_BxTk, plan.nk, plan.bk))
+    overlap = (jnp.maximum(qlo, klo) <= jnp.minimum(qhi, khi)) | (q0 & k0)
+    uniform = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
+    visit = overlap & jnp.asarray(_static_reachable(plan))[None]
+    full = uniform & jnp.asarray(_static_full(plan))[None]
+    kinds = jnp.where(visit, jnp.where(full, FULL, PARTIAL), SKIP).astype(jnp.int32)
+    return kinds, _range_of_true(visit), _range_of_true(visit.transpose(0, 2, 1))
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mask(sq, sk, q_start, k_start, plan: Plan, shape):
+    """[bq, bk] bool for one PARTIAL pair: same segment, causal, key not padding."""
+    mask = sq[:, None] == sk[None, :]
+    kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    if plan.causal:
+        qpos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+        mask = mask & (kpos <= qpos)
+    if plan.Tk > plan.T:
+        mask = mask & (kpos < plan.T)
+    return mask
+
+
+def _by_kind(kind, skip, update, carry):
+    """Run nothing (SKIP), update(carry, masked=False) (FULL) or masked=True (PARTIAL)."""
+    return lax.switch(
+        kind,
+        [skip, functools.partial(update, masked=False), functools.partial(update, masked=True)],
+        carry,
+    )
+
+
+def _fwd_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
+                *, plan: Plan):
+    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+    q_start = pl.program_id(2) * bq
+    q = q_ref[...].astype(jnp.float32) * plan.scale  # [bq, Dp]
+    sq = sq_ref[...]
+
+    def update(carry, ki, masked):
+        m, l, acc = carry
+        k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        s = _dot(q, k, _NT)  # [bq, bk]
+        if masked:
+            mask = _mask(sq, sk_ref[k_slice], q_start, ki * bk, plan, (bq, bk))
+            s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + p.sum(-1)
+        acc = alpha[:, None] * acc + _dot(p, v, _NN)
+        return m_new, l, acc
+
+    def body(ki, carry):
+        return _by_kind(
+            kinds_ref[ki], lambda c: c, functools.partial(update, ki=ki), carry
+        )
+
+    init = (
+        jnp.full((bq,), NEG, jnp.float32),
+        jnp.zeros((bq,), jnp.float32),
+        jnp.zeros((bq, Dp), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(krange_ref[0], krange_ref[1], body, init)
+    l = jnp.where(l == 0.0, 1.0, l)  # unreachable for real rows; keeps lse finite anyway
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+               delta_ref, dq_ref, *, plan: Plan):
+    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+    q_start = pl.program_id(2) * bq
+    q = q_ref[...].astype(jnp.float32) * plan.scale
+    do = do_ref[...].astype(jnp.float32)
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    sq = sq_ref[...]
+
+    def update(dq, ki, masked):
+        k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        p = jnp.exp(_dot(q, k, _NT) - lse[:, None])
+        if masked:
+            p = jnp.where(_mask(sq, sk_ref[k_slice], q_start, ki * bk, plan, (bq, bk)), p, 0.0)
+        ds = p * (_dot(do, v, _NT) - delta[:, None])
+        return dq + _dot(ds, k, _NN)
+
+    def body(ki, dq):
+        return _by_kind(kinds_ref[ki], lambda c: c, functools.partial(update, ki=ki), dq)
+
+    dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
+    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
+                delta_ref, dk_ref, dv_ref, *, plan: Plan, G: int):
+    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+    k_start = pl.program_id(2) * bk
+    k = k_ref[...].astype(jnp.float32)  # [bk, Dp]
+    v = v_ref[...].astype(jnp.float32)
+    sk = sk_ref[...]
+
+    def update(carry, g, qi, masked):
+        dk, dv = carry
+        q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
+        q = q_ref[g, q_slice, :].astype(jnp.float32) * plan.scale
+        do = do_ref[g, q_slice, :].astype(jnp.float32)
+        p = jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None])  # [bq, bk]
+        if masked:
+            p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, plan, (bq, bk)), p, 0.0)
+        dv = dv + _dot(p, do, _TN)
+        ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
+        dk = dk + _dot(ds, q, _TN)  # q holds the scale
+        return dk, dv
+
+    def per_head(g, carry):
+        def body(qi, carry):
+            return _by_kind(
+                kinds_ref[qi], lambda c: c, functools.partial(update, g=g, qi=qi), carry
+            )
+
+        return lax.fori_loop(qrange_ref[0], qrange_ref[1], body, carry)
+
+    zeros = jnp.zeros((bk, Dp), jnp.float32)
+    dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+
+
+def _pad(x, axis, n, mode="constant"):
+    if x.shape[axis] == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
+
+
+def _layout(x_BxTxNxD, Tpad, plan: Plan):
+    """[B, T, N, D] -> [B, N, Tpad, Dp] (zero padding), input dtype kept."""
+    return _pad(_pad(x_BxTxNxD, 1, Tpad), 3, plan.Dp).transpose(0, 2, 1, 3)
+
+
+def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
+    return x_BxNxTpxDp[:, :, : plan.T, : plan.D].transpose(0, 2, 1, 3).astype(dtype)
+
+
+def _segs(seg, plan: Plan):
+    return _pad(seg, 1, plan.Tq, mode="edge"), _pad(seg, 1, plan.Tk, mode="edge")
+
+
+def _compiler_params(plan: Plan):
+    """Compiled on GPU: the Triton lowering, chosen explicitly. In this JAX,
+    jax_pallas_use_mosaic_gpu defaults to True, so a pallas_call without compiler_params would
+    go to Mosaic GPU (Hopper+ only, and deprecated there for pl.pallas_call); see README.md."""
+    if plan.interpret or jax.default_backend() != "gpu":
+        return None
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _forward(q, k, v, seg, plan: Plan):
+    B, _, H, _ = q.shape
+    K = k.shape[2]
+    G = H // K
+    bq, Dp = plan.bq, plan.Dp
+    seg_q, seg_k = _segs(seg, plan)
+    kinds, k_range, q_range = block_tables(seg_q, seg_k, plan)
+    qt, kt, vt = _layout(q, plan.Tq, plan), _layout(k, plan.Tk, plan), _layout(v, plan.Tk, plan)
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, plan=plan),
+        grid=(B, H, plan.nq),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.nk), lambda b, h, i: (b, i, 0)),  # kinds row
+            pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),  # key-block range
+            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),  # seg_q block
+            pl.BlockSpec((None, plan.Tk), lambda b, h, i: (b, 0)),  # seg_k row
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, plan.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
+            pl.BlockSpec((None, None, plan.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, plan.Tq, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B, H, plan.Tq), jnp.float32),
+        ],
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="flash_attention_fwd",
+    )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
+    return o, lse, (kinds, k_range, q_range)
+
+
+def _backward(plan: Plan, res, do):
+    q, k, v, seg, o, lse, (kinds, k_range, q_range) = res
+    B, _, H, _ = q.shape
+    K = k.shape[2]
+    G = H // K
+    bq, bk, Dp, Tq, Tk = plan.bq, plan.bk, plan.Dp, plan.Tq, plan.Tk
+    seg_q, seg_k = _segs(seg, plan)
+    qt, kt, vt = _layout(q, Tq, plan), _layout(k, Tk, plan), _layout(v, Tk, plan)
+    dot = _layout(do, Tq, plan)  # padded rows and columns get a zero cotangent
+    delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan),
+        grid=(B, H, plan.nq),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.nk), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, Tk), lambda b, h, i: (b, 0)),
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),  # q
+            pl.BlockSpec((None, None, Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k
+            pl.BlockSpec((None, None, Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),  # do
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),  # lse
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),  # delta
+        ],
+        out_specs=pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, H, Tq, Dp), q.dtype),
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="flash_attention_dq",
+    )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
+
+    # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, plan=plan, G=G),
+        grid=(B, K, plan.nk),
+        in_specs=[
+            pl.BlockSpec((None, None, plan.nq), lambda b, h, j: (b, j, 0)),
+            pl.BlockSpec((None, None, 2), lambda b, h, j: (b, j, 0)),
+            pl.BlockSpec((None, Tq), lambda b, h, j: (b, 0)),
+            pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
+            pl.BlockSpec((None, None, G, Tq, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # q
+            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),  # k
+            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),  # v
+            pl.BlockSpec((None, None, G, Tq, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # do
+            pl.BlockSpec((None, None, G, Tq), lambda b, h, j: (b, h, 0, 0)),  # lse
+            pl.BlockSpec((None, None, G, Tq), lambda b, h, j: (b, h, 0, 0)),  # delta
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),
+            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, Tk, Dp), k.dtype),
+            jax.ShapeDtypeStruct((B, K, Tk, Dp), v.dtype),
+        ],
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="flash_attention_dkv",
+    )(
+        kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,
+        grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta),
+    )
+    return (
+        _unlayout(dq, plan, q.dtype),
+        _unlayout(dk, plan, k.dtype),
+        _unlayout(dv, plan, v.dtype),
+        None,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, seg, plan):
+    return _unlayout(_forward(q, k, v, seg, plan)[0], plan, q.dtype)
+
+
+def _flash_fwd(q, k, v, seg, plan):
+    o, lse, tables = _forward(q, k, v, seg, plan)
+    return _unlayout(o, plan, q.dtype), (q, k, v, seg, o, lse, tables)
+
+
+_flash.defvjp(_flash_fwd, _backward)
+
+
+def flash_attention_pallas(
+    q, k, v, segment_ids, causal: bool, block_q: int, block_k: int, interpret: bool
+):
+    """Pallas flash attention; arguments are assumed checked (see ops.flash_attention).
+
+    interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
+    """
+    B, T, _, D = q.shape
+    if segment_ids is None:
+        seg = jnp.ones((B, T), jnp.int32)
+    else:
+        seg = segment_ids.astype(jnp.int32)
+    return _flash(q, k, v, seg, make_plan(T, D, causal, block_q, block_k, interpret))

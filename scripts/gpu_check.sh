@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# Accelerator check for the Pallas flash attention (cannot run on a CPU-only machine):
+#   1. the kernel test suite compiled for the device (TestFlashAttentionPallasCompiled) and,
+#      for comparison, the same assertions through the interpreter;
+#   2. a small timing table: pallas vs xla vs jax.nn.dot_product_attention, causal, bf16,
+#      forward and forward+backward (best of a few runs, after one compile run).
+# Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
+# Environment: PYTHON (default .venv/bin/python), HEADS (8), KV_HEADS (2), HEAD_DIM (128),
+# BLOCK_Q (128), BLOCK_K (64), REPEATS (5).
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$root"
+
+platform="${1:-cuda}"
+shift || true
+lengths=("$@")
+if [ "${#lengths[@]}" -eq 0 ]; then
+  lengths=(2048 4096 8192)
+fi
+python="${PYTHON:-$root/.venv/bin/python}"
+
+# tests/conftest.py only defaults JAX_PLATFORMS to cpu; an explicit platform wins.
+export JAX_PLATFORMS="$platform"
+"$python" -c "import jax; b = jax.default_backend(); print('jax', jax.__version__, b, jax.devices());
+assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
+
+echo "== compiled kernels =="
+"$python" -m pytest -q tests/test_flash_attention_pallas.py -k "Compiled" -rs
+echo "== same suite, interpreted, on the device backend =="
+"$python" -m pytest -q tests/test_flash_attention_pallas.py -k "not Compiled"
+
+echo "== timing (seconds, best of ${REPEATS:-5}) =="
+HEADS="${HEADS:-8}" KV_HEADS="${KV_HEADS:-2}" HEAD_DIM="${HEAD_DIM:-128}" \
+BLOCK_Q="${BLOCK_Q:-128}" BLOCK_K="${BLOCK_K:-64}" REPEATS="${REPEATS:-5}" \
+"$python" - "${lengths[@]}" <<'PY'
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from kernels_pallas.flash_attention import flash_attention
+
+H, K, D = (int(os.environ[n]) for n in ("HEADS", "KV_HEADS", "HEAD_DIM"))
+bq, bk, repeats = (int(os.environ[n]) for n in ("BLOCK_Q", "BLOCK_K", "REPEATS"))
+
+
+def best_of(fn, *args):
+    jax.block_until_ready(fn(*args))  # compile
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def sdpa(q, k, v, seg):
+    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+
+
+def impl(name):
+    def f(q, k, v, seg):
+        return flash_attention(q, k, v, seg, True, name, block_q=bq, block_k=bk)
+
+    return f
+
+
+print(f"B=1 H={H} K={K} D={D} bf16 causal, one document per row; blocks {bq}x{bk}")
+print(f"{'T':>6s} {'implementation':28s} {'fwd':>9s} {'fwd+bwd':>9s}")
+for T in map(int, sys.argv[1:]):
+    rng = np.random.default_rng(0)
+    q = jnp.asarray(rng.normal(size=(1, T, H, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.normal(size=(1, T, K, D)), jnp.bfloat16) for _ in range(2))
+    seg = jnp.ones((1, T), jnp.int32)
+    for name, f in (("pallas", impl("pallas")), ("xla", impl("xla")),
+                    ("jax.nn.dot_product_attention", sdpa)):
+        try:
+            fwd = jax.jit(f)
+            grad = jax.jit(jax.grad(lambda q, k, v, s, f=f: f(q, k, v, s).astype(jnp.float32).sum(),
+                                    argnums=(0, 1, 2)))
+            t1, t2 = best_of(fwd, q, k, v, seg), best_of(grad, q, k, v, seg)
+            print(f"{T:6d} {name:28s} {t1:9.5f} {t2:9.5f}", flush=True)
+        except Exception as e:  # keep the table going; the message says what failed
+            print(f"{T:6d} {name:28s} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
+PY
