@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+ATTENTION_IMPLEMENTATIONS = ("xla", "flash", "sparse", "reference", "jax")
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
@@ -31,6 +32,19 @@ def _check(ok: bool, field: str, message: str) -> None:
 
 def _one_of(value: str, allowed: tuple[str, ...], field: str) -> None:
     _check(value in allowed, field, f"got {value!r}, allowed: {', '.join(allowed)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class SparseConfig:
+    """Dynamic block-sparse attention (model.attention=sparse): each query block attends to
+    its `top_k` best key blocks (MoBA-style routing), the diagonal block always included."""
+
+    block_size: int = 128
+    top_k: int = 8  # default per-sequence budget, in key blocks
+
+    def validate(self, prefix: str = "model.sparse") -> None:
+        _check(self.block_size >= 1, f"{prefix}.block_size", f"must be >= 1, got {self.block_size}")
+        _check(self.top_k >= 1, f"{prefix}.top_k", f"must be >= 1 (the diagonal block), got {self.top_k}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +64,12 @@ class ModelConfig:
     remat: bool = False
     dtype: str = "float32"  # compute dtype
     param_dtype: str = "float32"
-    attention: str = "xla"  # xla (blocked online softmax) | reference (dense jnp oracle) | jax (jax.nn.dot_product_attention)
+    # xla: blocked online-softmax XLA flash attention | flash: kernels_pallas.flash_attention
+    # "auto" (Pallas on GPU, XLA elsewhere) | sparse: routed block-sparse (see `sparse`) |
+    # reference: dense jnp oracle | jax: jax.nn.dot_product_attention (the naive baseline)
+    attention: str = "xla"
     attention_block: int = 256
+    sparse: SparseConfig = SparseConfig()
     init: str = "scratch"  # scratch | smollm2-135m | hf:/path/to/dir
     init_std: float = 0.02
 
@@ -64,7 +82,8 @@ class ModelConfig:
         _check(self.head_dim % 2 == 0, f"{prefix}.head_dim", f"must be even for RoPE, got {self.head_dim}")
         _one_of(self.dtype, ("float32", "bfloat16"), f"{prefix}.dtype")
         _one_of(self.param_dtype, ("float32", "bfloat16"), f"{prefix}.param_dtype")
-        _one_of(self.attention, ("xla", "reference", "jax"), f"{prefix}.attention")
+        _one_of(self.attention, ATTENTION_IMPLEMENTATIONS, f"{prefix}.attention")
+        self.sparse.validate(f"{prefix}.sparse")
         _check(self.init in ("scratch", "smollm2-135m") or self.init.startswith("hf:"), f"{prefix}.init",
                f"got {self.init!r}, allowed: scratch, smollm2-135m, hf:/path/to/checkpoint_dir")
         _check(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0, prefix,

@@ -139,14 +139,26 @@ def _cast_like(numpy_tree, abstract_tree):
     return jax.tree.map(one, numpy_tree, abstract_tree)
 
 
+def pop_layer_stats(model: nnx.Module) -> dict[str, jax.Array]:
+    """Means over layers of the values the model sowed as nnx.Intermediate (e.g. the sparse
+    router's selected blocks and coverage); empty for dense attention."""
+    sown = nnx.pop(model, nnx.Intermediate).to_pure_dict()
+    by_name: dict[str, list] = {}
+    for path, value in jax.tree_util.tree_leaves_with_path(sown):
+        names = [getattr(k, "key", None) for k in path]
+        name = next(n for n in reversed(names) if isinstance(n, str))
+        by_name.setdefault(name, []).append(value)
+    return {name: jnp.mean(jnp.stack(values)) for name, values in sorted(by_name.items())}
+
+
 def make_loss_fn(graphdef, rest) -> Callable:
-    """(params, batch arrays) -> (mean loss over target tokens, (loss sum, target count))."""
+    """(params, batch arrays) -> (mean loss over target tokens, (target count, layer stats))."""
 
     def loss_fn(params, batch):
         model = nnx.merge(graphdef, params, rest)
         logits = model(batch["tokens"], batch["segment_ids"], batch["positions"])
         loss_sum, count = next_token_loss(logits, batch["targets"], batch["loss_mask"])
-        return loss_sum / jnp.maximum(count, 1.0), (loss_sum, count)
+        return loss_sum / jnp.maximum(count, 1.0), (count, pop_layer_stats(model))
 
     return loss_fn
 
@@ -155,11 +167,11 @@ def make_train_step(graphdef, rest, tx) -> Callable:
     loss_fn = make_loss_fn(graphdef, rest)
 
     def train_step(state, batch):
-        (loss, (_, count)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
+        (loss, (count, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state["params"], batch)
         updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
         params = optax.apply_updates(state["params"], updates)
         new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": count}
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": count, **stats}
 
     return train_step
 
@@ -250,6 +262,10 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
             "useful_tflops": flops / 1e12,
             "mfu": flops / (step_time * peak * num_devices) if peak and step_time > 0 else None,
         }
+        if model_cfg.attention == "sparse":
+            record["sparse_budget"] = model_cfg.sparse.top_k
+            record["sparse_blocks"] = float(metrics["sparse_blocks"])  # mean selected per query block
+            record["sparse_coverage"] = float(metrics["sparse_coverage"])
         writer.write(record)
         progress.update(p["step"], record["loss"], record["tokens_per_s"])
         tokens_total += tokens

@@ -13,12 +13,14 @@ def test_every_shipped_config_loads_and_validates(path):
 
 def test_overrides_are_typed():
     cfg = load_config("default", ["train.steps=20", "train.lr=1e-3", "model.tie_embeddings=false",
-                                  "data.row_buckets=128,256,1024", "model.attention=reference"])
+                                  "data.row_buckets=128,256,1024", "model.attention=reference",
+                                  "model.sparse.top_k=4"])
     assert cfg.train.steps == 20 and isinstance(cfg.train.steps, int)
     assert cfg.train.lr == 1e-3
     assert cfg.model.tie_embeddings is False
     assert cfg.data.row_buckets == (128, 256, 1024)
     assert cfg.model.attention == "reference"
+    assert cfg.model.sparse.top_k == 4 and cfg.model.sparse.block_size == 128
 
 
 @pytest.mark.parametrize("override, message", [
@@ -26,7 +28,7 @@ def test_overrides_are_typed():
     ("nosuch.x=1", "nosuch.x: unknown key 'nosuch' in config"),
     ("train.steps=ten", "train.steps: expected an integer, got 'ten'"),
     ("train.steps=0", "train.steps: must be >= 1, got 0"),
-    ("model.attention=magic", "model.attention: got 'magic', allowed: xla, reference, jax"),
+    ("model.attention=magic", "model.attention: got 'magic', allowed: xla, flash, sparse, reference, jax"),
     ("model.kv_heads=3", "model.kv_heads: heads=4 must be a multiple of kv_heads=3"),
     ("model.tie_embeddings=maybe", "model.tie_embeddings: expected a boolean"),
     ("data.long_policy=shred", "data.long_policy: got 'shred', allowed: split, truncate, drop"),
@@ -34,6 +36,8 @@ def test_overrides_are_typed():
     ("model=3", "model: is a section"),
     ("train.steps", "expected key=value"),
     ("tokenizer.kind=model", "tokenizer.kind: kind=model needs a pretrained model.init"),
+    ("model.sparse.top_k=0", "model.sparse.top_k: must be >= 1"),
+    ("model.sparse.blocksize=64", "model.sparse.blocksize: unknown key 'blocksize' in model.sparse"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
@@ -58,5 +62,5 @@ def test_bad_toml_names_the_file(tmp_path):
 
 
 def test_json_round_trip():
-    cfg = apply_overrides(Config(), ["train.steps=70", "data.row_buckets=64,4096"]).validate()
+    cfg = apply_overrides(Config(), ["train.steps=70", "data.row_buckets=64,4096", "model.sparse.block_size=64"]).validate()
     assert config_from_json(cfg.to_json()) == cfg

@@ -183,3 +183,34 @@ def test_cli_eval_pretrained_prints_perplexity(tmp_path):
     assert lines[0].startswith("tokens: ")
     ppl = float(lines[-1].removeprefix("perplexity: "))
     assert 1.0 < ppl < 60.0, ppl
+
+
+@pytest.mark.parametrize("attention", ["flash", "sparse"])
+def test_training_runs_with_each_attention(tmp_path, attention):
+    cfg = tiny(tmp_path, "train.steps=3", f"model.attention={attention}", "model.sparse.block_size=64",
+               "model.sparse.top_k=2")
+    train(cfg, log=lambda *_: None)
+    records = read_metrics(os.path.join(tmp_path, "metrics.jsonl"))
+    assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+    if attention == "sparse":
+        for r in records:
+            assert r["sparse_budget"] == 2
+            assert 1.0 <= r["sparse_blocks"] <= 2.0
+            assert 0.0 < r["sparse_coverage"] < 1.0  # some eligible blocks were left out
+    else:
+        assert "sparse_coverage" not in records[0]
+
+
+def test_sparse_with_every_block_selected_trains_like_dense(tmp_path):
+    """top_k >= blocks per row: block-sparse attention is dense attention, so the losses match."""
+    losses = {}
+    for attention in ("xla", "sparse"):
+        workdir = tmp_path / attention
+        cfg = tiny(workdir, "train.steps=3", f"model.attention={attention}", "model.sparse.block_size=64",
+                   "model.sparse.top_k=16")
+        train(cfg, log=lambda *_: None)
+        records = read_metrics(os.path.join(workdir, "metrics.jsonl"))
+        losses[attention] = [r["loss"] for r in records]
+        if attention == "sparse":
+            np.testing.assert_allclose([r["sparse_coverage"] for r in records], 1.0, **tol("router_coverage", np.float32))
+    np.testing.assert_allclose(losses["sparse"], losses["xla"], **tol("model_loss", np.float32))

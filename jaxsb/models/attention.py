@@ -31,8 +31,8 @@ def attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
            block: int = 256) -> jax.Array:
     """Causal, document-masked attention with grouped kv heads; returns [B,T,H,D] in q.dtype.
 
-    `implementation` is `ModelConfig.attention` ("xla" blocked online softmax, "reference"
-    dense oracle, "jax" `jax.nn.dot_product_attention` with an explicit mask, the baseline of
+    `implementation` is `ModelConfig.attention` ("xla" blocked online softmax, "flash" the
+    kernel's "auto" choice, "reference" dense oracle, "jax" `jax.nn.dot_product_attention` with an explicit mask, the baseline of
     scripts/bench_train.py); `block` is `ModelConfig.attention_block`, used for both q and k blocks.
     """
     heads, kv_heads = q_BxTxHxD.shape[2], k_BxTxKxD.shape[2]
@@ -40,6 +40,8 @@ def attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
         raise ValueError(f"query heads {heads=} must be a multiple of {kv_heads=}")
     if implementation == "jax":
         return _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT)
+    if implementation == "flash":
+        implementation = "auto"  # Pallas on GPU, the blocked XLA kernel elsewhere
     flash_attention = _kernel()
     # segment ids go positionally: the kernel names that parameter `segment_ids_BxT`
     return flash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, causal=True,
@@ -56,3 +58,17 @@ def _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT)
         same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
         mask_Bx1xTxT = (same_BxTxT & causal_TxT)[:, None]
     return jax.nn.dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask=mask_Bx1xTxT)
+
+
+def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
+                  segment_ids_BxT: jax.Array, budgets_B: jax.Array, *, block_size: int):
+    """Routed block-sparse attention: each query block attends to its `budgets_B[b]` best key
+    blocks (diagonal always). Returns (out [B,T,H,D], mean selected blocks, mean coverage)."""
+    from jaxsb.router import route
+    from kernels_pallas import block_sparse_attention
+
+    block_indices, block_counts, coverage = route(q_BxTxHxD, k_BxTxKxD, segment_ids_BxT, budgets_B,
+                                                  block_size=block_size)
+    out = block_sparse_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, block_indices, block_counts,
+                                 segment_ids_BxT, block_size=block_size)
+    return out, jnp.mean(block_counts.astype(jnp.float32)), jnp.mean(coverage.per_row)

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsb.config import ModelConfig
-from jaxsb.models.attention import attend
+from jaxsb.models.attention import attend, sparse_attend
 
 
 def _dtype(name: str):
@@ -72,7 +72,7 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs)
         self.o_proj = _linear(cfg.heads * cfg.head_dim, cfg.hidden, cfg, rngs)
 
-    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD):
+    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
         cfg = self.cfg
         B, T, _ = x_BxTxE.shape
         q_BxTxHxD = self.q_proj(x_BxTxE).reshape(B, T, cfg.heads, cfg.head_dim)
@@ -80,8 +80,15 @@ class Attention(nnx.Module):
         v_BxTxKxD = self.v_proj(x_BxTxE).reshape(B, T, cfg.kv_heads, cfg.head_dim)
         q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
         k_BxTxKxD = apply_rope(k_BxTxKxD, cos_BxTxD, sin_BxTxD)
-        out_BxTxHxD = attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
-                             implementation=cfg.attention, block=cfg.attention_block)
+        if cfg.attention == "sparse":
+            out_BxTxHxD, blocks, coverage = sparse_attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
+                                                          budgets_B, block_size=cfg.sparse.block_size)
+            # per-layer routing statistics, collected by the trainer (nnx.Intermediate)
+            self.sow(nnx.Intermediate, "sparse_blocks", blocks)
+            self.sow(nnx.Intermediate, "sparse_coverage", coverage)
+        else:
+            out_BxTxHxD = attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
+                                 implementation=cfg.attention, block=cfg.attention_block)
         return self.o_proj(out_BxTxHxD.reshape(B, T, cfg.heads * cfg.head_dim))
 
 
@@ -107,13 +114,13 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, **norm)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD):
-        x_BxTxE = x_BxTxE + self.attn(self.attn_norm(x_BxTxE), segment_ids_BxT, cos_BxTxD, sin_BxTxD)
+    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
+        x_BxTxE = x_BxTxE + self.attn(self.attn_norm(x_BxTxE), segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B)
         return x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
 
 
-def _run_block(block: Block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD):
-    return block(x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD)
+def _run_block(block: Block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
+    return block(x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B)
 
 
 _run_block_remat = nnx.remat(_run_block)
@@ -142,15 +149,20 @@ class Llama(nnx.Module):
         return self.embed(tokens_BxT)
 
     def from_embeddings(self, x_BxTxE: jax.Array, segment_ids_BxT: jax.Array,
-                        positions_BxT: jax.Array) -> jax.Array:
-        """The decoder stack and head applied to given input embeddings; float32 logits."""
+                        positions_BxT: jax.Array, budgets_B: jax.Array | None = None) -> jax.Array:
+        """The decoder stack and head applied to given input embeddings; float32 logits.
+
+        `budgets_B`: per-row sparse-attention budget in key blocks (model.attention=sparse);
+        default `cfg.sparse.top_k` for every row. Ignored by the dense implementations."""
         cfg = self.cfg
+        if budgets_B is None:
+            budgets_B = jnp.full((x_BxTxE.shape[0],), cfg.sparse.top_k, jnp.int32)
         cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
         segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
         x_BxTxE = x_BxTxE.astype(_dtype(cfg.dtype))
         run = _run_block_remat if cfg.remat else _run_block
         for block in self.layers:
-            x_BxTxE = run(block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD)
+            x_BxTxE = run(block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B)
         x_BxTxE = self.final_norm(x_BxTxE)
         if cfg.tie_embeddings:
             head_ExV = self.embed.embedding[...].astype(x_BxTxE.dtype).T
@@ -159,5 +171,6 @@ class Llama(nnx.Module):
         # logits accumulate in float32 even when the matmul inputs are bfloat16
         return jnp.einsum("bte,ev->btv", x_BxTxE, head_ExV, preferred_element_type=jnp.float32)
 
-    def __call__(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
-        return self.from_embeddings(self.embed_tokens(tokens_BxT), segment_ids_BxT, positions_BxT)
+    def __call__(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array,
+                 budgets_B: jax.Array | None = None) -> jax.Array:
+        return self.from_embeddings(self.embed_tokens(tokens_BxT), segment_ids_BxT, positions_BxT, budgets_B)
