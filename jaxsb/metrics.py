@@ -37,13 +37,20 @@ def matmul_params(cfg: ModelConfig) -> int:
     return cfg.layers * per_layer + e * cfg.vocab_size
 
 
-def useful_train_flops(cfg: ModelConfig, doc_lengths: Iterable[int]) -> float:
-    """Forward + backward FLOPs (3 × forward) for one step over these packed documents."""
+def useful_train_flops(cfg: ModelConfig, doc_lengths: Iterable[int], sparse_blocks: float | None = None) -> float:
+    """Forward + backward FLOPs (3 × forward) for one step over these packed documents.
+
+    With block-sparse attention, `sparse_blocks` (mean key blocks selected per query block)
+    caps each document's attended pairs at about s · sparse_blocks · block_size."""
     lengths = list(doc_lengths)
     tokens = sum(lengths)
     linear = 2.0 * matmul_params(cfg) * tokens
     # QK^T and PV: 2 matmuls × 2 FLOPs per multiply-add, over causal pairs within documents.
-    pairs = sum(s * (s + 1) / 2 for s in lengths)
+    if sparse_blocks is None:
+        pairs = sum(s * (s + 1) / 2 for s in lengths)
+    else:
+        per_query = sparse_blocks * cfg.sparse.block_size
+        pairs = sum(min(s * (s + 1) / 2, s * per_query) for s in lengths)
     attention = 4.0 * pairs * cfg.heads * cfg.head_dim * cfg.layers
     return 3.0 * (linear + attention)
 

@@ -249,7 +249,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         last_done, paused_s = now, 0.0
         batch: Batch = p["batch"]
         tokens = int(sum(batch.doc_lengths))
-        flops = useful_train_flops(model_cfg, batch.doc_lengths)
+        sparse_blocks = float(metrics["sparse_blocks"]) if "sparse_blocks" in metrics else None
+        flops = useful_train_flops(model_cfg, batch.doc_lengths, sparse_blocks)
         record = {
             "step": p["step"], "loss": float(metrics["loss"]), "tokens": tokens,
             "targets": int(metrics["targets"]), "step_time_s": step_time,
@@ -264,7 +265,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         }
         if model_cfg.attention == "sparse":
             record["sparse_budget"] = model_cfg.sparse.top_k
-            record["sparse_blocks"] = float(metrics["sparse_blocks"])  # mean selected per query block
+            record["sparse_blocks"] = sparse_blocks  # mean selected per query block
             record["sparse_coverage"] = float(metrics["sparse_coverage"])
         writer.write(record)
         progress.update(p["step"], record["loss"], record["tokens_per_s"])

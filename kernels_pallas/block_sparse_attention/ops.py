@@ -3,19 +3,31 @@
 implementation:
   "xla"       slot-looped gather attention with a recomputing custom_vjp (xla.py); its work
               follows max(block_counts), not the static list length;
+  "pallas"    Pallas kernels (pallas.py): forward / dQ / dK,dV, each program's loop follows its
+              own block count;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
-  "auto"      "xla" (a Pallas kernel is separate work).
+  "auto"      "pallas" when jax.default_backend() is in AUTO_PALLAS_BACKENDS ("gpu"), else "xla".
+
+interpret (Pallas only): None = run the kernels in the Pallas interpreter iff the backend is
+CPU (slow; for tests); True / False force it. Compiled Pallas on CPU does not exist.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.block_sparse_attention.pallas import block_sparse_attention_pallas
 from kernels_pallas.block_sparse_attention.reference import block_sparse_attention_reference
 from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
 
-IMPLEMENTATIONS = ("auto", "xla", "reference")
+IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
+# As in flash_attention/ops.py: "auto" picks Pallas only where the kernels are expected to
+# lower, the GPU (Triton) path; on TPU Mosaic wants the block tables as scalar-prefetch operands,
+# which pallas.py does not do, so "auto" stays on XLA there ("pallas" still tries).
+AUTO_PALLAS_BACKENDS = ("gpu",)
+PALLAS_BACKENDS = ("gpu", "tpu")
 
 
 def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation):
@@ -63,6 +75,7 @@ def block_sparse_attention(
     segment_ids=None,
     block_size: int = 128,
     implementation: str = "auto",
+    interpret: bool | None = None,
 ):
     """Causal, document-masked attention restricted to selected key blocks.
 
@@ -75,11 +88,26 @@ def block_sparse_attention(
     document). Valid entries that repeat an earlier one count once; out-of-range valid
     entries select nothing. A row that sees nothing outputs 0. Output has q's dtype.
     Not differentiable in block_indices / block_counts / segment_ids.
+    `interpret` only matters for the Pallas kernels (see the module doc).
     """
     _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation)
     if implementation == "reference":
         return block_sparse_attention_reference(
             q, k, v, block_indices, block_counts, segment_ids, int(block_size)
+        )
+    backend = jax.default_backend()
+    if implementation == "auto":
+        implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    if implementation == "pallas":
+        if interpret is None:
+            interpret = backend == "cpu"
+        if not interpret and backend not in PALLAS_BACKENDS:
+            raise ValueError(
+                f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
+                "pass interpret=True (or None) to use the Pallas interpreter"
+            )
+        return block_sparse_attention_pallas(
+            q, k, v, block_indices, block_counts, segment_ids, int(block_size), bool(interpret)
         )
     return block_sparse_attention_xla(
         q, k, v, block_indices, block_counts, segment_ids, int(block_size)

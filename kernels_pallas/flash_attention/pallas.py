@@ -328,8 +328,10 @@ def _segs(seg, plan: Plan):
 def _compiler_params(plan: Plan):
     """Compiled on GPU: the Triton lowering, chosen explicitly. In this JAX,
     jax_pallas_use_mosaic_gpu defaults to True, so a pallas_call without compiler_params would
-    go to Mosaic GPU (Hopper+ only, and deprecated there for pl.pallas_call); see README.md."""
-    if plan.interpret or jax.default_backend() != "gpu":
+    go to Mosaic GPU (Hopper+ only, and deprecated there for pl.pallas_call); see README.md.
+    Chosen whenever the kernel is compiled, not from jax.default_backend(): a program may be
+    lowered for a platform other than the host's (jax.export, ahead-of-time compilation)."""
+    if plan.interpret:
         return None
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
 

@@ -1,0 +1,385 @@
+"""Pallas block-sparse attention: forward, dQ and dK/dV kernels behind a `jax.custom_vjp`.
+
+Host metadata + kernel. Before any kernel runs, `block_tables` (plain JAX) turns the user's
+lists into two clean tables built from one selection matrix sel[b, k, i, j] ("query block i of
+kv head k sees key block j"): an entry counts only if its slot is below the count, it lies in
+[0, nq) and it is not above the diagonal (j <= i; a later key block selects nothing under the
+causal mask). Repeats collapse in `sel` by construction, so duplicates count once.
+  * fwd table [B, K, nq, 1 + M]: column 0 the count, then the selected key blocks ascending;
+  * bwd table [B, K, nk, 1 + nq]: column 0 the count, then the query blocks that selected key
+    block j, ascending (the transpose of sel, so dK/dV is gathered per key block with no
+    scatter and no atomics).
+The order is fixed (ascending) whatever order the user gave, so results do not depend on it.
+
+Three `pl.pallas_call`s, float32 arithmetic whatever the input dtype:
+  * forward, grid (B, H, nq): program (b, h, i) reads kv head h // G and loops
+    `fori_loop(0, count)` over its table row (a data-dependent trip count: work follows the
+    counts), slicing key block j out of the whole-row k/v with pl.ds; causal + same-segment +
+    key-padding mask; online softmax; writes the output and the log-sum-exp (lse);
+  * dQ, grid (B, H, nq): the same walk, recomputes p = exp(s - lse), accumulates dQ;
+  * dK/dV, grid (B, K, nk): one key block per program; loops over the G query heads sharing
+    the kv head and over the query blocks in the bwd table row.
+delta = rowsum(dO * O) is done in jnp before the backward kernels.
+
+Layout inside (as in flash_attention/pallas.py): q/o [B, H, Tp, Dp], k/v [B, K, Tp, Dp], Dp = D
+padded to a power of two >= 16 (Triton wants power-of-two loads and dots >= 16), zeros in the
+padded columns. T is padded to Tp = nq * block_size; padded queries copy the last segment id
+(their outputs are sliced off, their cotangent is zero); padded keys are masked by position.
+Tables are read with scalar loads from BlockSpec'd rows (the Triton lowering has no scalar
+prefetch), so their row lengths need not be powers of two.
+
+A row that sees nothing keeps l = 0: its output is 0 and its lse is NEG; in the backward
+every one of its probabilities is masked (`where`, never a product), so its gradients are 0.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+NEG = -1e30  # finite: exp(NEG - m) underflows to 0 for any real running max m
+_HI = lax.Precision.HIGHEST
+_NT = (((1,), (1,)), ((), ()))  # a @ b.T
+_TN = (((0,), (0,)), ((), ()))  # a.T @ b
+_NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+def _dot(a, b, dims):
+    return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=jnp.float32)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, int(n) - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static blocking of one call (hashable: a nondiff argument of the custom_vjp)."""
+
+    T: int
+    D: int
+    bs: int
+    interpret: bool
+
+    @property
+    def nb(self) -> int:
+        return -(-self.T // self.bs)
+
+    @property
+    def Tp(self) -> int:
+        return self.nb * self.bs
+
+    @property
+    def Dp(self) -> int:
+        return max(16, _next_pow2(self.D))
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.D)
+
+
+def make_plan(T: int, D: int, block_size: int, interpret: bool) -> Plan:
+    """block_size is part of the semantics (it defines the blocks), so it is never changed."""
+    if not interpret and (block_size & (block_size - 1) or block_size < 16):
+        raise ValueError(
+            f"{block_size=} must be a power of two >= 16 for compiled Pallas (T={T})"
+        )
+    return Plan(int(T), int(D), int(block_size), bool(interpret))
+
+
+# ----------------------------------------------------------------------------- host metadata
+
+
+def selection(block_indices, block_counts, nb: int):
+    """[B, K, nq, nk] bool: valid slot, index in [0, nk), and key block <= query block."""
+    B, K, nq, M = block_indices.shape
+    idx = block_indices.astype(jnp.int32)
+    valid = jnp.arange(M) < jnp.clip(block_counts.astype(jnp.int32), 0, M)[..., None]
+    valid = valid & (idx >= 0) & (idx <= jnp.arange(nq)[:, None])
+    # invalid slots write False at a clipped index: .max keeps any True already there
+    b, k, n = jnp.ix_(jnp.arange(B), jnp.arange(K), jnp.arange(nq))
+    sel = jnp.zeros((B, K, nq, nb), jnp.bool_)
+    return sel.at[b[..., None], k[..., None], n[..., None], jnp.clip(idx, 0, nb - 1)].max(valid)
+
+
+def _compact(sel_BxKxNxM, width: int):
+    """[..., 1 + width] int32: count of True, then the True positions ascending (then filler)."""
+    count = sel_BxKxNxM.sum(-1, dtype=jnp.int32)
+    order = jnp.argsort(~sel_BxKxNxM, axis=-1, stable=True).astype(jnp.int32)[..., :width]
+    order = jnp.where(jnp.arange(width) < count[..., None], order, 0)
+    return jnp.concatenate([count[..., None], order], axis=-1)
+
+
+def block_tables(block_indices, block_counts, nb: int):
+    """fwd [B, K, nq, 1 + M] and bwd [B, K, nk, 1 + nq] tables (see the module doc)."""
+    M = block_indices.shape[-1]
+    sel = selection(block_indices, block_counts, nb)
+    return _compact(sel, min(M, nb)), _compact(sel.transpose(0, 1, 3, 2), nb)
+
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mask(sq, sk, q_start, k_start, plan: Plan):
+    """[bs, bs] bool: same segment, causal, key not padding."""
+    shape = (plan.bs, plan.bs)
+    qpos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
+    kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
+    mask = (sq[:, None] == sk[None, :]) & (kpos <= qpos)
+    if plan.Tp > plan.T:
+        mask = mask & (kpos < plan.T)
+    return mask
+
+
+def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
+    bs, Dp = plan.bs, plan.Dp
+    q_start = pl.program_id(2) * bs
+    q = q_ref[...].astype(jnp.float32) * plan.scale  # [bs, Dp]
+    sq = sq_ref[...]
+
+    def body(s, carry):
+        m, l, acc = carry
+        j = tab_ref[1 + s]
+        k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, plan)
+        sc = jnp.where(mask, _dot(q, k, _NT), NEG)
+        m_new = jnp.maximum(m, sc.max(-1))
+        p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + p.sum(-1)
+        acc = alpha[:, None] * acc + _dot(p, v, _NN)
+        return m_new, l, acc
+
+    init = (
+        jnp.full((bs,), NEG, jnp.float32),
+        jnp.zeros((bs,), jnp.float32),
+        jnp.zeros((bs, Dp), jnp.float32),
+    )
+    m, l, acc = lax.fori_loop(0, tab_ref[0], body, init)
+    l = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing: acc = 0, output 0
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+               dq_ref, *, plan: Plan):
+    bs, Dp = plan.bs, plan.Dp
+    q_start = pl.program_id(2) * bs
+    q = q_ref[...].astype(jnp.float32) * plan.scale
+    do = do_ref[...].astype(jnp.float32)
+    lse = lse_ref[...]
+    delta = delta_ref[...]
+    sq = sq_ref[...]
+
+    def body(s, dq):
+        j = tab_ref[1 + s]
+        k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, plan)
+        p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse[:, None]), 0.0)
+        ds = p * (_dot(do, v, _NT) - delta[:, None])
+        return dq + _dot(ds, k, _NN)
+
+    dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((bs, Dp), jnp.float32))
+    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, plan: Plan, G: int):
+    bs, Dp = plan.bs, plan.Dp
+    k_start = pl.program_id(2) * bs
+    k = k_ref[...].astype(jnp.float32)  # [bs, Dp]
+    v = v_ref[...].astype(jnp.float32)
+    sk = sk_ref[...]
+    n = tab_ref[0]
+
+    def per_head(g, carry):
+        def body(t, carry):
+            dk, dv = carry
+            i = tab_ref[1 + t]
+            q_slice = pl.ds(pl.multiple_of(i * bs, bs), bs)
+            q = q_ref[g, q_slice, :].astype(jnp.float32) * plan.scale
+            do = do_ref[g, q_slice, :].astype(jnp.float32)
+            mask = _mask(sq_ref[q_slice], sk, i * bs, k_start, plan)
+            p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None]), 0.0)
+            dv = dv + _dot(p, do, _TN)
+            ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
+            dk = dk + _dot(ds, q, _TN)  # q holds the scale
+            return dk, dv
+
+        return lax.fori_loop(0, n, body, carry)
+
+    zeros = jnp.zeros((bs, Dp), jnp.float32)
+    dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
+    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+
+
+def _pad(x, axis, n, mode="constant"):
+    if x.shape[axis] == n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, n - x.shape[axis])
+    return jnp.pad(x, widths, mode=mode)
+
+
+def _layout(x_BxTxNxD, plan: Plan):
+    """[B, T, N, D] -> [B, N, Tp, Dp] (zero padding), input dtype kept."""
+    return _pad(_pad(x_BxTxNxD, 1, plan.Tp), 3, plan.Dp).transpose(0, 2, 1, 3)
+
+
+def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
+    return x_BxNxTpxDp[:, :, : plan.T, : plan.D].transpose(0, 2, 1, 3).astype(dtype)
+
+
+def _compiler_params(plan: Plan):
+    """Compiled on GPU: the Triton lowering, chosen explicitly (jax_pallas_use_mosaic_gpu
+    would otherwise send the call to Mosaic GPU; see flash_attention/README.md)."""
+    if plan.interpret or jax.default_backend() != "gpu":
+        return None
+    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _forward(q, k, v, seg, fwd_tab, plan: Plan):
+    B, _, H, _ = q.shape
+    G = H // k.shape[2]
+    bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
+    W = fwd_tab.shape[-1]
+    seg_p = _pad(seg, 1, Tp, mode="edge")
+    return pl.pallas_call(
+        functools.partial(_fwd_kernel, plan=plan),
+        grid=(B, H, plan.nb),
+        in_specs=[
+            pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),  # table row
+            pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),  # query segment ids
+            pl.BlockSpec((None, Tp), lambda b, h, i: (b, 0)),  # key segment ids (whole row)
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # q block
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k row
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v row
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
+        ],
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="block_sparse_attention_fwd",
+    )(fwd_tab, seg_p, seg_p, _layout(q, plan), _layout(k, plan), _layout(v, plan))
+
+
+def _backward(plan: Plan, res, do):
+    q, k, v, seg, fwd_tab, bwd_tab, o, lse = res
+    B, _, H, _ = q.shape
+    K = k.shape[2]
+    G = H // K
+    bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
+    seg_p = _pad(seg, 1, Tp, mode="edge")
+    qt, kt, vt = _layout(q, plan), _layout(k, plan), _layout(v, plan)
+    dot = _layout(do, plan)  # padded rows and columns get a zero cotangent
+    delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tp]
+    W = fwd_tab.shape[-1]
+
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, plan=plan),
+        grid=(B, H, plan.nb),
+        in_specs=[
+            pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),
+            pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),
+            pl.BlockSpec((None, Tp), lambda b, h, i: (b, 0)),
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # q
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # do
+            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),  # lse
+            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),  # delta
+        ],
+        out_specs=pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
+        out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="block_sparse_attention_dq",
+    )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
+
+    # Query-side arrays per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    Wb = bwd_tab.shape[-1]
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, plan=plan, G=G),
+        grid=(B, K, plan.nb),
+        in_specs=[
+            pl.BlockSpec((None, None, None, Wb), lambda b, h, j: (b, h, j, 0)),  # table row
+            pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),  # query segment ids (row)
+            pl.BlockSpec((None, bs), lambda b, h, j: (b, j)),  # key segment ids (block)
+            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # q
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),  # k
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),  # v
+            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # do
+            pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0)),  # lse
+            pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0)),  # delta
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),
+            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, Tp, Dp), k.dtype),
+            jax.ShapeDtypeStruct((B, K, Tp, Dp), v.dtype),
+        ],
+        interpret=plan.interpret,
+        compiler_params=_compiler_params(plan),
+        name="block_sparse_attention_dkv",
+    )(bwd_tab, seg_p, seg_p, grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta))
+    return (
+        _unlayout(dq, plan, q.dtype),
+        _unlayout(dk, plan, k.dtype),
+        _unlayout(dv, plan, v.dtype),
+        None,
+        None,
+        None,
+    )
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
+def _sparse(q, k, v, seg, fwd_tab, bwd_tab, plan):
+    return _unlayout(_forward(q, k, v, seg, fwd_tab, plan)[0], plan, q.dtype)
+
+
+def _sparse_fwd(q, k, v, seg, fwd_tab, bwd_tab, plan):
+    o, lse = _forward(q, k, v, seg, fwd_tab, plan)
+    return _unlayout(o, plan, q.dtype), (q, k, v, seg, fwd_tab, bwd_tab, o, lse)
+
+
+_sparse.defvjp(_sparse_fwd, _backward)
+
+
+def block_sparse_attention_pallas(
+    q, k, v, block_indices, block_counts, segment_ids, block_size: int, interpret: bool
+):
+    """Arguments are assumed checked (see ops.block_sparse_attention).
+
+    interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
+    """
+    B, T, _, D = q.shape
+    plan = make_plan(T, D, block_size, interpret)
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    idx = lax.stop_gradient(block_indices)
+    counts = lax.stop_gradient(block_counts)
+    fwd_tab, bwd_tab = block_tables(idx, counts, plan.nb)
+    return _sparse(q, k, v, seg, fwd_tab, bwd_tab, plan)
