@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# Accelerator check for the Pallas flash attention (cannot run on a CPU-only machine):
-#   1. the kernel test suite compiled for the device (TestFlashAttentionPallasCompiled) and,
-#      for comparison, the same assertions through the interpreter;
+# Accelerator check for the Pallas kernels (cannot run on a CPU-only machine):
+#   1. the kernel test suites compiled for the device (TestFlashAttentionPallasCompiled,
+#      TestBlockSparseAttentionPallasCompiled) and, for comparison, the same assertions
+#      through the interpreter;
 #   2. a small timing table: pallas vs xla vs jax.nn.dot_product_attention, causal, bf16,
-#      forward and forward+backward (best of a few runs, after one compile run).
+#      forward and forward+backward (best of a few runs, after one compile run), plus
+#      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks.
 # Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
 # Environment: PYTHON (default .venv/bin/python), HEADS (8), KV_HEADS (2), HEAD_DIM (128),
-# BLOCK_Q (128), BLOCK_K (64), REPEATS (5).
+# BLOCK_Q (128), BLOCK_K (64), REPEATS (5), SPARSE_BLOCK (block-sparse block size, 64).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -25,13 +27,16 @@ export JAX_PLATFORMS="$platform"
 assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
 
 echo "== compiled kernels =="
-"$python" -m pytest -q tests/test_flash_attention_pallas.py -k "Compiled" -rs
-echo "== same suite, interpreted, on the device backend =="
-"$python" -m pytest -q tests/test_flash_attention_pallas.py -k "not Compiled"
+"$python" -m pytest -q tests/test_flash_attention_pallas.py \
+  tests/test_block_sparse_attention_pallas.py -k "Compiled" -rs
+echo "== same suites, interpreted, on the device backend =="
+"$python" -m pytest -q tests/test_flash_attention_pallas.py \
+  tests/test_block_sparse_attention_pallas.py -k "not Compiled"
 
 echo "== timing (seconds, best of ${REPEATS:-5}) =="
 HEADS="${HEADS:-8}" KV_HEADS="${KV_HEADS:-2}" HEAD_DIM="${HEAD_DIM:-128}" \
 BLOCK_Q="${BLOCK_Q:-128}" BLOCK_K="${BLOCK_K:-64}" REPEATS="${REPEATS:-5}" \
+SPARSE_BLOCK="${SPARSE_BLOCK:-64}" \
 "$python" - "${lengths[@]}" <<'PY'
 import os
 import sys
@@ -43,10 +48,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.block_sparse_attention import block_sparse_attention
 from kernels_pallas.flash_attention import flash_attention
 
 H, K, D = (int(os.environ[n]) for n in ("HEADS", "KV_HEADS", "HEAD_DIM"))
 bq, bk, repeats = (int(os.environ[n]) for n in ("BLOCK_Q", "BLOCK_K", "REPEATS"))
+sbs = int(os.environ["SPARSE_BLOCK"])
 
 
 def best_of(fn, *args):
@@ -70,6 +77,27 @@ def impl(name):
     return f
 
 
+def sparse_lists(T, density):
+    """Query block n lists itself and the budget - 1 blocks before it (budget = density * nb)."""
+    nb = -(-T // sbs)
+    budget = max(1, round(density * nb))
+    n = np.arange(nb)[:, None]
+    idx = np.maximum(n - np.arange(budget)[None, :], 0)
+    counts = np.minimum(n[:, 0] + 1, budget)
+    shape = (1, K, nb, budget)
+    return (jnp.asarray(np.broadcast_to(idx, shape), jnp.int32),
+            jnp.asarray(np.broadcast_to(counts, shape[:3]), jnp.int32))
+
+
+def sparse(name, density, T):
+    idx, counts = sparse_lists(T, density)
+
+    def f(q, k, v, seg):
+        return block_sparse_attention(q, k, v, idx, counts, seg, sbs, name)
+
+    return f
+
+
 print(f"B=1 H={H} K={K} D={D} bf16 causal, one document per row; blocks {bq}x{bk}")
 print(f"{'T':>6s} {'implementation':28s} {'fwd':>9s} {'fwd+bwd':>9s}")
 for T in map(int, sys.argv[1:]):
@@ -77,8 +105,12 @@ for T in map(int, sys.argv[1:]):
     q = jnp.asarray(rng.normal(size=(1, T, H, D)), jnp.bfloat16)
     k, v = (jnp.asarray(rng.normal(size=(1, T, K, D)), jnp.bfloat16) for _ in range(2))
     seg = jnp.ones((1, T), jnp.int32)
-    for name, f in (("pallas", impl("pallas")), ("xla", impl("xla")),
-                    ("jax.nn.dot_product_attention", sdpa)):
+    rows = [("pallas", impl("pallas")), ("xla", impl("xla")),
+            ("jax.nn.dot_product_attention", sdpa)]
+    for label, density in (("1/8", 1 / 8), ("1/4", 1 / 4)):
+        for name in ("pallas", "xla"):
+            rows.append((f"sparse-{name} {label} b{sbs}", sparse(name, density, T)))
+    for name, f in rows:
         try:
             fwd = jax.jit(f)
             grad = jax.jit(jax.grad(lambda q, k, v, s, f=f: f(q, k, v, s).astype(jnp.float32).sum(),

@@ -244,7 +244,7 @@ def test_jit_with_traced_counts_and_auto():
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({"implementation": "pallas"}, "implementation='pallas'"),
+        ({"implementation": "triton"}, "implementation='triton'"),
         ({"block_size": 0}, "block_size=0"),
         ({"block_indices": np.zeros((2, 2, 3, 2), np.int32)}, "block_indices.shape=(2, 2, 3, 2)"),
         ({"block_counts": np.zeros((2, 2, 3), np.int32)}, "block_counts.shape=(2, 2, 3)"),

@@ -134,6 +134,9 @@ def _mask(sq, sk, q_start, k_start, plan: Plan):
     kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = (sq[:, None] == sk[None, :]) & (kpos <= qpos)
     if plan.Tp > plan.T:
+        # Redundant for real queries (padded keys follow every one of them, so causality
+        # removes them) and padded query rows get a zero cotangent; kept so no row of the
+        # kernel ever mixes in padding, whatever the caller does with those rows.
         mask = mask & (kpos < plan.T)
     return mask
 
@@ -246,9 +249,11 @@ def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
 
 
 def _compiler_params(plan: Plan):
-    """Compiled on GPU: the Triton lowering, chosen explicitly (jax_pallas_use_mosaic_gpu
-    would otherwise send the call to Mosaic GPU; see flash_attention/README.md)."""
-    if plan.interpret or jax.default_backend() != "gpu":
+    """Compiled: the Triton lowering, chosen explicitly (jax_pallas_use_mosaic_gpu would
+    otherwise send the call to Mosaic GPU; see flash_attention/README.md). Chosen whenever the
+    kernel is compiled, not from jax.default_backend(): a program may be lowered for another
+    platform than the host's (jax.export, ahead-of-time compilation)."""
+    if plan.interpret:
         return None
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
 

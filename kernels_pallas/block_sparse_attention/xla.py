@@ -62,10 +62,11 @@ def _pad_t(x, n, axis=1, mode="constant", value=0):
     return jnp.pad(x, widths, mode=mode)
 
 
-def _slot_validity(idx_BxKxNxM, counts_BxKxN, M):
-    """[B,K,nq,M] bool: slot is below the count and not a repeat of an earlier valid slot."""
+def _slot_validity(idx_BxKxNxM, counts_BxKxN, M, nb):
+    """[B,K,nq,M] bool: slot is below the count, names a block in [0, nb), and does not repeat
+    an earlier valid slot. `idx` must be the caller's indices, before any clipping."""
     slot = jnp.arange(M)
-    valid = slot < counts_BxKxN[..., None]
+    valid = (slot < counts_BxKxN[..., None]) & (idx_BxKxNxM >= 0) & (idx_BxKxNxM < nb)
     same = idx_BxKxNxM[..., :, None] == idx_BxKxNxM[..., None, :]  # [.., s, s']
     earlier = slot[None, :] < slot[:, None]  # s' < s
     dup = (same & earlier & valid[..., None, :]).any(-1)
@@ -85,8 +86,9 @@ def _prepare(q, k, v, seg, idx, counts, plan: Plan):
     seg_b = _pad_t(seg, plan.Tp, mode="edge").reshape(B, nb, bs)
     M = idx.shape[-1]
     counts = jnp.clip(counts.astype(jnp.int32), 0, M)
-    idx = jnp.clip(idx.astype(jnp.int32), 0, nb - 1)
-    valid = _slot_validity(idx, counts, M)
+    idx = idx.astype(jnp.int32)
+    valid = _slot_validity(idx, counts, M, nb)
+    idx = jnp.clip(idx, 0, nb - 1)  # invalid slots still gather (a real block), masked out
     n_slots = counts.max()
     return qt, kt, vt, seg_b, idx, valid, n_slots
 
