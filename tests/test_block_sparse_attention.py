@@ -11,47 +11,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import tol
+from attention_inputs import random_blocks as _random_blocks, random_qkv as _inputs, segments as _segments
 
 from jaxsb.router import route
 from kernels_pallas import attention_reference, block_sparse_attention
 from kernels_pallas.block_sparse_attention import block_sparse_attention_reference
 from kernels_pallas.block_sparse_attention.reference import block_sparse_mask
-
-
-def _segments(T, docs_per_row):
-    """[B, T] int32 from per-row lists of document lengths; the rest is padding (id 0)."""
-    seg = np.zeros((len(docs_per_row), T), np.int32)
-    for b, lengths in enumerate(docs_per_row):
-        start = 0
-        for i, n in enumerate(lengths):
-            seg[b, start : start + n] = i + 1
-            start += n
-        assert start <= T
-    return jnp.asarray(seg)
-
-
-def _inputs(B, T, H, K, D, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(
-        jnp.asarray(rng.normal(size=(B, T, n, D)), dtype) for n in (H, K, K)
-    )
-
-
-def _random_blocks(B, K, nq, max_blocks, budget, seed=0):
-    """Per (row, kv head, query block): the diagonal, then a random subset of earlier blocks;
-    count = min(budget[b], n + 1, max_blocks); slots past the count hold garbage (out of range,
-    negative, future and repeated indices)."""
-    rng = np.random.default_rng(seed)
-    idx = rng.integers(-7, 3 * nq, size=(B, K, nq, max_blocks)).astype(np.int32)
-    counts = np.zeros((B, K, nq), np.int32)
-    for b in range(B):
-        for k in range(K):
-            for n in range(nq):
-                c = min(budget[b], n + 1, max_blocks)
-                others = rng.permutation(n)[: c - 1]
-                idx[b, k, n, :c] = rng.permutation(np.concatenate([[n], others]))
-                counts[b, k, n] = c
-    return jnp.asarray(idx), jnp.asarray(counts)
 
 
 def _out_and_vjp(fn, args, seed=1):

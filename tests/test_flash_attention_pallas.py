@@ -12,29 +12,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import tol
+from attention_inputs import random_qkv as _inputs, segments as _segments
 
 from kernels_pallas import attention_reference, flash_attention
 from kernels_pallas.flash_attention import pallas as flash_pallas
 from kernels_pallas.flash_attention.reference import attention_mask
-
-
-def _segments(T, docs_per_row):
-    """[B, T] int32 from per-row lists of document lengths; the rest is padding (id 0)."""
-    seg = np.zeros((len(docs_per_row), T), np.int32)
-    for b, lengths in enumerate(docs_per_row):
-        start = 0
-        for i, n in enumerate(lengths):
-            seg[b, start : start + n] = i + 1
-            start += n
-        assert start <= T
-    return jnp.asarray(seg)
-
-
-def _inputs(B, T, H, K, D, dtype, seed=0):
-    rng = np.random.default_rng(seed)
-    return tuple(
-        jnp.asarray(rng.normal(size=(B, T, n, D)), dtype) for n in (H, K, K)
-    )
 
 
 # Row 0: a 50-token document spanning several blocks, a one-token document, a 20-token one,

@@ -10,6 +10,7 @@ import pytest
 
 from jaxsb.router import route
 from tolerances import tol
+from attention_inputs import segments
 
 T, BS, H, K, D = 75, 8, 4, 2, 8  # 10 blocks, the last one partial
 NB = -(-T // BS)
@@ -19,13 +20,7 @@ DOCS = [[50, 1, 20], [7, 1, 30, 12, 25]]
 
 
 def _segments(docs_per_row):
-    seg = np.zeros((len(docs_per_row), T), np.int32)
-    for b, lengths in enumerate(docs_per_row):
-        start = 0
-        for i, n in enumerate(lengths):
-            seg[b, start : start + n] = i + 1
-            start += n
-    return seg
+    return np.asarray(segments(T, docs_per_row))
 
 
 def _qk(seed=0):

@@ -1,0 +1,40 @@
+"""Inputs shared by the attention kernel tests: packed segment ids, random q/k/v, random
+block-sparse lists (with garbage past the counts)."""
+
+import jax.numpy as jnp
+import numpy as np
+
+
+def segments(T, docs_per_row):
+    """[B, T] int32 from per-row lists of document lengths; the rest is padding (id 0)."""
+    seg = np.zeros((len(docs_per_row), T), np.int32)
+    for b, lengths in enumerate(docs_per_row):
+        start = 0
+        for i, n in enumerate(lengths):
+            seg[b, start : start + n] = i + 1
+            start += n
+        assert start <= T
+    return jnp.asarray(seg)
+
+
+def random_qkv(B, T, H, K, D, dtype, seed=0):
+    """q [B,T,H,D], k and v [B,T,K,D], standard normal."""
+    rng = np.random.default_rng(seed)
+    return tuple(jnp.asarray(rng.normal(size=(B, T, n, D)), dtype) for n in (H, K, K))
+
+
+def random_blocks(B, K, nq, max_blocks, budget, seed=0):
+    """Per (row, kv head, query block): the diagonal and a random subset of earlier blocks in
+    random order; count = min(budget[b], n + 1, max_blocks); slots past the count hold garbage
+    (out of range, negative, future and repeated indices)."""
+    rng = np.random.default_rng(seed)
+    idx = rng.integers(-7, 3 * nq, size=(B, K, nq, max_blocks)).astype(np.int32)
+    counts = np.zeros((B, K, nq), np.int32)
+    for b in range(B):
+        for k in range(K):
+            for n in range(nq):
+                c = min(budget[b], n + 1, max_blocks)
+                others = rng.permutation(n)[: c - 1]
+                idx[b, k, n, :c] = rng.permutation(np.concatenate([[n], others]))
+                counts[b, k, n] = c
+    return jnp.asarray(idx), jnp.asarray(counts)
