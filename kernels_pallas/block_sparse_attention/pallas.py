@@ -42,21 +42,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-NEG = -1e30  # finite: exp(NEG - m) underflows to 0 for any real running max m
-_HI = lax.Precision.HIGHEST
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-_NN = (((1,), (0,)), ((), ()))  # a @ b
+from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, dot as _dot
+from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
 
-
-def _dot(a, b, dims):
-    return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=jnp.float32)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -231,31 +220,13 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _pad(x, axis, n, mode="constant"):
-    if x.shape[axis] == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, widths, mode=mode)
-
-
 def _layout(x_BxTxNxD, plan: Plan):
     """[B, T, N, D] -> [B, N, Tp, Dp] (zero padding), input dtype kept."""
-    return _pad(_pad(x_BxTxNxD, 1, plan.Tp), 3, plan.Dp).transpose(0, 2, 1, 3)
+    return pad_axis(pad_axis(x_BxTxNxD, 1, plan.Tp), 3, plan.Dp).transpose(0, 2, 1, 3)
 
 
 def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
     return x_BxNxTpxDp[:, :, : plan.T, : plan.D].transpose(0, 2, 1, 3).astype(dtype)
-
-
-def _compiler_params(plan: Plan):
-    """Compiled: the Triton lowering, chosen explicitly (jax_pallas_use_mosaic_gpu would
-    otherwise send the call to Mosaic GPU; see flash_attention/README.md). Chosen whenever the
-    kernel is compiled, not from jax.default_backend(): a program may be lowered for another
-    platform than the host's (jax.export, ahead-of-time compilation)."""
-    if plan.interpret:
-        return None
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
 
 
 def _forward(q, k, v, seg, fwd_tab, plan: Plan):
@@ -263,7 +234,7 @@ def _forward(q, k, v, seg, fwd_tab, plan: Plan):
     G = H // k.shape[2]
     bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
     W = fwd_tab.shape[-1]
-    seg_p = _pad(seg, 1, Tp, mode="edge")
+    seg_p = pad_axis(seg, 1, Tp, mode="edge")
     return pl.pallas_call(
         functools.partial(_fwd_kernel, plan=plan),
         grid=(B, H, plan.nb),
@@ -284,7 +255,7 @@ def _forward(q, k, v, seg, fwd_tab, plan: Plan):
             jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
         ],
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="block_sparse_attention_fwd",
     )(fwd_tab, seg_p, seg_p, _layout(q, plan), _layout(k, plan), _layout(v, plan))
 
@@ -295,7 +266,7 @@ def _backward(plan: Plan, res, do):
     K = k.shape[2]
     G = H // K
     bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
-    seg_p = _pad(seg, 1, Tp, mode="edge")
+    seg_p = pad_axis(seg, 1, Tp, mode="edge")
     qt, kt, vt = _layout(q, plan), _layout(k, plan), _layout(v, plan)
     dot = _layout(do, plan)  # padded rows and columns get a zero cotangent
     delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tp]
@@ -318,7 +289,7 @@ def _backward(plan: Plan, res, do):
         out_specs=pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="block_sparse_attention_dq",
     )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
 
@@ -348,7 +319,7 @@ def _backward(plan: Plan, res, do):
             jax.ShapeDtypeStruct((B, K, Tp, Dp), v.dtype),
         ],
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="block_sparse_attention_dkv",
     )(bwd_tab, seg_p, seg_p, grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta))
     return (

@@ -32,8 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-NEG = -1e30
-_HI = lax.Precision.HIGHEST
+from kernels_pallas.common import NEG, HI as _HI, pad_axis
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,13 +53,7 @@ class Plan:
 
 
 def _pad_t(x, n, axis=1, mode="constant", value=0):
-    if x.shape[axis] == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    if mode == "constant":
-        return jnp.pad(x, widths, constant_values=value)
-    return jnp.pad(x, widths, mode=mode)
+    return pad_axis(x, axis, n, mode, value)
 
 
 def _slot_validity(idx_BxKxNxM, counts_BxKxN, M, nb):

@@ -39,24 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
 
-# Finite on purpose, as in xla.py: exp(NEG - m) underflows to exactly 0 for any real running
-# max m; masked probabilities are also zeroed explicitly.
-NEG = -1e30
+from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, dot as _dot
+from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
+
 SKIP, FULL, PARTIAL = 0, 1, 2
-_HI = lax.Precision.HIGHEST
-_NT = (((1,), (1,)), ((), ()))  # a @ b.T
-_TN = (((0,), (0,)), ((), ()))  # a.T @ b
-_NN = (((1,), (0,)), ((), ()))  # a @ b
-
-
-def _dot(a, b, dims):
-    return lax.dot_general(a, b, dims, precision=(_HI, _HI), preferred_element_type=jnp.float32)
-
-
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -304,17 +291,9 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _pad(x, axis, n, mode="constant"):
-    if x.shape[axis] == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, widths, mode=mode)
-
-
 def _layout(x_BxTxNxD, Tpad, plan: Plan):
     """[B, T, N, D] -> [B, N, Tpad, Dp] (zero padding), input dtype kept."""
-    return _pad(_pad(x_BxTxNxD, 1, Tpad), 3, plan.Dp).transpose(0, 2, 1, 3)
+    return pad_axis(pad_axis(x_BxTxNxD, 1, Tpad), 3, plan.Dp).transpose(0, 2, 1, 3)
 
 
 def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
@@ -322,18 +301,7 @@ def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
 
 
 def _segs(seg, plan: Plan):
-    return _pad(seg, 1, plan.Tq, mode="edge"), _pad(seg, 1, plan.Tk, mode="edge")
-
-
-def _compiler_params(plan: Plan):
-    """Compiled on GPU: the Triton lowering, chosen explicitly. In this JAX,
-    jax_pallas_use_mosaic_gpu defaults to True, so a pallas_call without compiler_params would
-    go to Mosaic GPU (Hopper+ only, and deprecated there for pl.pallas_call); see README.md.
-    Chosen whenever the kernel is compiled, not from jax.default_backend(): a program may be
-    lowered for a platform other than the host's (jax.export, ahead-of-time compilation)."""
-    if plan.interpret:
-        return None
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    return pad_axis(seg, 1, plan.Tq, mode="edge"), pad_axis(seg, 1, plan.Tk, mode="edge")
 
 
 def _forward(q, k, v, seg, plan: Plan):
@@ -365,7 +333,7 @@ def _forward(q, k, v, seg, plan: Plan):
             jax.ShapeDtypeStruct((B, H, plan.Tq), jnp.float32),
         ],
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="flash_attention_fwd",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
     return o, lse, (kinds, k_range, q_range)
@@ -400,7 +368,7 @@ def _backward(plan: Plan, res, do):
         out_specs=pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tq, Dp), q.dtype),
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="flash_attention_dq",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
 
@@ -430,7 +398,7 @@ def _backward(plan: Plan, res, do):
             jax.ShapeDtypeStruct((B, K, Tk, Dp), v.dtype),
         ],
         interpret=plan.interpret,
-        compiler_params=_compiler_params(plan),
+        compiler_params=triton_compiler_params(plan.interpret),
         name="flash_attention_dkv",
     )(
         kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,

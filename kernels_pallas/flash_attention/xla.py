@@ -36,13 +36,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-# Masked scores. Finite on purpose: exp(NEG - m) underflows to exactly 0 for any real running
-# max m, and a row whose first visited block is entirely masked gets m = NEG, exp(0) = 1 junk
-# that is wiped (alpha = exp(NEG - m_real) = 0) once the row meets its first allowed key; every
-# row has one (a token always sees itself), so the junk never survives.
-NEG = -1e30
+from kernels_pallas.common import NEG, HI as _HI, pad_axis
+
+# Masked scores use NEG (finite, kernels_pallas/common.py): a row whose first visited block is
+# entirely masked gets m = NEG, exp(0) = 1 junk that is wiped (alpha = exp(NEG - m_real) = 0)
+# once the row meets its first allowed key; every row has one (a token always sees itself),
+# so the junk never survives.
 SKIP, FULL, PARTIAL = 0, 1, 2
-_HI = lax.Precision.HIGHEST
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,12 +153,8 @@ def _pair_mask(seg_qb, seg_kb, qi, ki, plan: Plan):
     return mask[:, None, None]
 
 
-def _pad_t(x, n, axis=1, mode="constant"):
-    if x.shape[axis] == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[axis] = (0, n - x.shape[axis])
-    return jnp.pad(x, widths, mode=mode)
+def _pad_t(x, n, axis=1, mode="constant", value=0):
+    return pad_axis(x, axis, n, mode, value)
 
 
 def _prepare(q, k, v, seg, plan: Plan):
