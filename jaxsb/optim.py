@@ -11,12 +11,14 @@ from jaxsb.config import TrainConfig
 
 
 def learning_rate_schedule(cfg: TrainConfig) -> optax.Schedule:
-    """Linear warm-up from 0 to `lr` over `warmup_steps`, cosine down to `lr·min_lr_ratio`."""
+    """Linear warm-up from 0 to `lr` over `warmup_steps` (at most the whole run), then cosine
+    down to `lr·min_lr_ratio` at the last step."""
+    warmup = min(cfg.warmup_steps, cfg.steps)
     return optax.warmup_cosine_decay_schedule(
         init_value=0.0,
         peak_value=cfg.lr,
-        warmup_steps=cfg.warmup_steps,
-        decay_steps=max(cfg.steps, cfg.warmup_steps + 1),
+        warmup_steps=warmup,
+        decay_steps=max(cfg.steps, warmup + 1),
         end_value=cfg.lr * cfg.min_lr_ratio,
     )
 

@@ -11,7 +11,8 @@ and 16K tokens, for one document and for a packed long-tail mix of documents:
 Prints best-of-n wall times, ratios and useful GFLOP/s (dense: exactly the allowed (i, j)
 pairs; sparse: the selected block pairs, diagonal blocks counted as triangles) next to this
 machine's measured 2048^3 f32 matmul GFLOP/s. Targets: dense >= 2x faster than jax.nn at 8K;
-sparse at 1/8 >= 4x faster than dense at 16K. Usage: python scripts/bench_attention.py [--quick]
+sparse at 1/8 >= 4x faster than dense at 16K.
+Usage: python scripts/bench_attention.py [--quick] [--lengths 16384] [--sparse-block 512]
 """
 
 import argparse
@@ -30,6 +31,11 @@ from kernels_pallas import block_sparse_attention, flash_attention  # noqa: E402
 
 H, K, D = 4, 2, 64
 SPARSE_BLOCK = 128
+
+
+def set_sparse_block(size: int) -> None:
+    global SPARSE_BLOCK
+    SPARSE_BLOCK = size
 DENSITIES = (2, 4, 8, 16)
 JAX_NN_LIMIT_BYTES = 8e9
 
@@ -78,8 +84,13 @@ def fwd_bwd(f):
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="4K only, one repeat")
+    parser.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")],
+                        default=[4096, 8192, 16384], help="comma-separated T values")
+    parser.add_argument("--sparse-block", type=int, default=SPARSE_BLOCK,
+                        help=f"block-sparse block size (default {SPARSE_BLOCK})")
     args = parser.parse_args()
-    lengths = [4096] if args.quick else [4096, 8192, 16384]
+    set_sparse_block(args.sparse_block)
+    lengths = [4096] if args.quick else args.lengths
     peak = matmul_gflops()
     print(f"devices: {jax.devices()}  matmul 2048^3 f32: {peak:.1f} GFLOP/s")
     print(f"B=1 H={H} K={K} D={D} float32, forward+backward, best of n (noisy: shared cores)")

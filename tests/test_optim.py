@@ -38,3 +38,8 @@ def test_decay_applies_only_where_masked():
     # zero gradients: only the decayed kernel moves, by -lr * wd * param
     np.testing.assert_allclose(updates["embed"]["embedding"], 0.0)
     np.testing.assert_allclose(updates["w"]["kernel"], -1.0)
+
+
+def test_warmup_longer_than_the_run_is_clamped_to_the_run():
+    lr = learning_rate_schedule(TrainConfig(steps=4, lr=1e-2, warmup_steps=10))
+    np.testing.assert_allclose([float(lr(s)) for s in (0, 2, 4)], [0.0, 5e-3, 1e-2], rtol=1e-6)
