@@ -36,6 +36,30 @@ def pad_axis(x, axis: int, n: int, mode: str = "constant", value=0):
     return jnp.pad(x, widths, mode=mode)
 
 
+def check_qkv(q, k, v, segment_ids) -> tuple[int, int, int, int, int]:
+    """Argument checks shared by the attention entry points (messages show the values).
+    Returns (B, T, H, K, D)."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must be [B, T, heads, head_dim], got {name}.shape={x.shape}")
+        if not jnp.issubdtype(x.dtype, jnp.floating):
+            raise ValueError(f"{name} must be floating point, got {name}.dtype={x.dtype}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v shapes differ: {k.shape=} {v.shape=}")
+    B, T, H, D = q.shape
+    if (k.shape[0], k.shape[1], k.shape[3]) != (B, T, D):
+        raise ValueError(f"q [B,T,H,D] and k [B,T,K,D] disagree on B, T or D: {q.shape=} {k.shape=}")
+    K = k.shape[2]
+    if H % K != 0:
+        raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
+    if segment_ids is not None:
+        if tuple(segment_ids.shape) != (B, T):
+            raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
+        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integer, got {segment_ids.dtype=}")
+    return B, T, H, K, D
+
+
 def triton_compiler_params(interpret: bool):
     """Compiled Pallas on GPU goes through the Triton lowering, chosen explicitly: in this JAX
     jax_pallas_use_mosaic_gpu defaults to True, and a pallas_call without compiler params would

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.block_sparse_attention.pallas import block_sparse_attention_pallas
+from kernels_pallas.common import check_qkv
 from kernels_pallas.block_sparse_attention.reference import block_sparse_attention_reference
 from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
 
@@ -35,19 +36,7 @@ def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implem
         raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
     if isinstance(block_size, bool) or not isinstance(block_size, (int, np.integer)) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a positive int")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [B, T, heads, head_dim], got {name}.shape={x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be floating point, got {name}.dtype={x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape=} {v.shape=}")
-    B, T, H, D = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (B, T, D):
-        raise ValueError(f"q [B,T,H,D] and k [B,T,K,D] disagree on B, T or D: {q.shape=} {k.shape=}")
-    K = k.shape[2]
-    if H % K != 0:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
+    B, T, H, K, D = check_qkv(q, k, v, segment_ids)
     nq = -(-T // block_size)
     if block_indices.ndim != 4 or tuple(block_indices.shape[:3]) != (B, K, nq):
         raise ValueError(
@@ -59,11 +48,6 @@ def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implem
     for name, x in (("block_indices", block_indices), ("block_counts", block_counts)):
         if not jnp.issubdtype(x.dtype, jnp.integer):
             raise ValueError(f"{name} must be integer, got {name}.dtype={x.dtype}")
-    if segment_ids is not None:
-        if tuple(segment_ids.shape) != (B, T):
-            raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
-        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must be integer, got {segment_ids.dtype=}")
 
 
 def block_sparse_attention(

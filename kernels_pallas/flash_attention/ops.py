@@ -16,9 +16,9 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
+from kernels_pallas.common import check_qkv
 from kernels_pallas.flash_attention.pallas import flash_attention_pallas
 from kernels_pallas.flash_attention.reference import attention_reference
 from kernels_pallas.flash_attention.xla import flash_attention_xla
@@ -53,26 +53,7 @@ DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64)}
 def _check(q, k, v, segment_ids, implementation):
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
-    for name, x in (("q", q), ("k", k), ("v", v)):
-        if x.ndim != 4:
-            raise ValueError(f"{name} must be [B, T, heads, head_dim], got {name}.shape={x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.floating):
-            raise ValueError(f"{name} must be floating point, got {name}.dtype={x.dtype}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v shapes differ: {k.shape=} {v.shape=}")
-    B, T, H, D = q.shape
-    if (k.shape[0], k.shape[1], k.shape[3]) != (B, T, D):
-        raise ValueError(
-            f"q [B,T,H,D] and k [B,T,K,D] disagree on B, T or D: {q.shape=} {k.shape=}"
-        )
-    K = k.shape[2]
-    if H % K != 0:
-        raise ValueError(f"query heads H={H} must be a multiple of kv heads K={K}")
-    if segment_ids is not None:
-        if tuple(segment_ids.shape) != (B, T):
-            raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
-        if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
-            raise ValueError(f"segment_ids must be integer, got {segment_ids.dtype=}")
+    check_qkv(q, k, v, segment_ids)
 
 
 def flash_attention(
