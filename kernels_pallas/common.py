@@ -4,8 +4,15 @@ parameters."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 from jax import lax
+
+# "auto" picks Pallas only where the kernels are expected to lower: the GPU (Triton) path.
+# On TPU, Mosaic wants the block tables as scalar-prefetch (SMEM) operands, which the Pallas
+# kernels do not do yet, so "auto" stays on XLA there; implementation="pallas" still tries.
+AUTO_PALLAS_BACKENDS = ("gpu",)
+PALLAS_BACKENDS = ("gpu", "tpu")
 
 # Finite on purpose: exp(NEG - m) underflows to exactly 0 for any real running max m, and
 # NEG - NEG stays 0 (an infinite value would give NaN there).
@@ -58,6 +65,25 @@ def check_qkv(q, k, v, segment_ids) -> tuple[int, int, int, int, int]:
         if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
             raise ValueError(f"segment_ids must be integer, got {segment_ids.dtype=}")
     return B, T, H, K, D
+
+
+def resolve_implementation(implementation: str, interpret: bool | None) -> tuple[str, bool]:
+    """("xla" | "pallas", interpret) for an entry point's "auto" | "xla" | "pallas" choice:
+    "auto" is Pallas on AUTO_PALLAS_BACKENDS, XLA elsewhere; Pallas interprets on a CPU host
+    unless told otherwise, and compiled Pallas on an unsupported backend is refused."""
+    backend = jax.default_backend()
+    if implementation == "auto":
+        implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    if implementation != "pallas":
+        return implementation, False
+    if interpret is None:
+        interpret = backend == "cpu"
+    if not interpret and backend not in PALLAS_BACKENDS:
+        raise ValueError(
+            f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
+            "pass interpret=True (or None) to use the Pallas interpreter"
+        )
+    return implementation, bool(interpret)
 
 
 def triton_compiler_params(interpret: bool):

@@ -1,6 +1,7 @@
 """Inputs shared by the attention kernel tests: packed segment ids, random q/k/v, random
-block-sparse lists (with garbage past the counts)."""
+block-sparse lists (with garbage past the counts), and outputs-with-gradients of a kernel."""
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -38,3 +39,16 @@ def random_blocks(B, K, nq, max_blocks, budget, seed=0):
                 idx[b, k, n, :c] = rng.permutation(np.concatenate([[n], others]))
                 counts[b, k, n] = c
     return jnp.asarray(idx), jnp.asarray(counts)
+
+
+def out_and_vjp(fn, args, seed=1):
+    """fn(*args) and its vjp with a random cotangent, compiled as one program."""
+    rng = np.random.default_rng(seed)
+    ct = jnp.asarray(rng.normal(size=args[0].shape), args[0].dtype)
+
+    @jax.jit
+    def run(*args):
+        out, vjp = jax.vjp(fn, *args)
+        return out, vjp(ct)
+
+    return run(*args)

@@ -13,23 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import tol
-from attention_inputs import random_blocks as _random_blocks, random_qkv as _inputs, segments as _segments
+from attention_inputs import out_and_vjp as _out_and_vjp, random_blocks as _random_blocks, random_qkv as _inputs, segments as _segments
 
 from jaxsb.router import route
 from kernels_pallas import attention_reference, block_sparse_attention
 from kernels_pallas.block_sparse_attention import pallas as bsa_pallas
-
-
-def _out_and_vjp(fn, args, seed=1):
-    """fn(*args) and its vjp with a random cotangent, compiled as one program."""
-    ct = jnp.asarray(np.random.default_rng(seed).normal(size=args[0].shape), args[0].dtype)
-
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(ct)
-
-    return run(*args)
 
 
 def _assert_close(got, want, dtype):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from tolerances import tol
-from attention_inputs import random_qkv as _inputs, segments as _segments
+from attention_inputs import out_and_vjp as _out_and_vjp, random_qkv as _inputs, segments as _segments
 
 from kernels_pallas import attention_reference, flash_attention
 from kernels_pallas.flash_attention import xla as flash_xla
@@ -35,19 +35,6 @@ CASES = [
     # one row, padding filling whole blocks (a batch-wide "any" cannot hide a per-row bug)
     ("gqa2-causal-padding-heavy", 4, 2, True, 16, 8, [[40, 1, 10]]),
 ]
-
-
-def _out_and_vjp(fn, args, seed=1):
-    """fn(*args) and its vjp with a random cotangent, compiled as one program."""
-    rng = np.random.default_rng(seed)
-    ct = jnp.asarray(rng.normal(size=args[0].shape), args[0].dtype)
-
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(ct)
-
-    return run(*args)
 
 
 # Every case in float32; bfloat16 (same float32 arithmetic inside, different casts at the

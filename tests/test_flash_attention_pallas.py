@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from tolerances import tol
-from attention_inputs import random_qkv as _inputs, segments as _segments
+from attention_inputs import out_and_vjp as _out_and_vjp, random_qkv as _inputs, segments as _segments
 
 from kernels_pallas import attention_reference, flash_attention
 from kernels_pallas.flash_attention import pallas as flash_pallas
@@ -41,18 +41,6 @@ PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
     for c in CASES
     if c[0] in ("gqa2-causal-32x16", "gqa4-causal-16x32")
 ]
-
-
-def _out_and_vjp(fn, args, seed=1):
-    """fn(*args) and its vjp with a random cotangent, compiled as one program."""
-    ct = jnp.asarray(np.random.default_rng(seed).normal(size=args[0].shape), args[0].dtype)
-
-    @jax.jit
-    def run(*args):
-        out, vjp = jax.vjp(fn, *args)
-        return out, vjp(ct)
-
-    return run(*args)
 
 
 class TestFlashAttentionPallas:

@@ -6,7 +6,7 @@ implementation:
   "pallas"    Pallas kernels (pallas.py): forward / dQ / dK,dV, each program's loop follows its
               own block count;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
-  "auto"      "pallas" when jax.default_backend() is in AUTO_PALLAS_BACKENDS ("gpu"), else "xla".
+  "auto"      "pallas" when jax.default_backend() is in common.AUTO_PALLAS_BACKENDS ("gpu"), else "xla".
 
 interpret (Pallas only): None = run the kernels in the Pallas interpreter iff the backend is
 CPU (slow; for tests); True / False force it. Compiled Pallas on CPU does not exist.
@@ -14,12 +14,11 @@ CPU (slow; for tests); True / False force it. Compiled Pallas on CPU does not ex
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.block_sparse_attention.pallas import block_sparse_attention_pallas
-from kernels_pallas.common import check_qkv
+from kernels_pallas.common import check_qkv, resolve_implementation
 from kernels_pallas.block_sparse_attention.reference import block_sparse_attention_reference
 from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
 
@@ -27,8 +26,6 @@ IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
 # As in flash_attention/ops.py: "auto" picks Pallas only where the kernels are expected to
 # lower, the GPU (Triton) path; on TPU Mosaic wants the block tables as scalar-prefetch operands,
 # which pallas.py does not do, so "auto" stays on XLA there ("pallas" still tries).
-AUTO_PALLAS_BACKENDS = ("gpu",)
-PALLAS_BACKENDS = ("gpu", "tpu")
 
 
 def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation):
@@ -79,19 +76,10 @@ def block_sparse_attention(
         return block_sparse_attention_reference(
             q, k, v, block_indices, block_counts, segment_ids, int(block_size)
         )
-    backend = jax.default_backend()
-    if implementation == "auto":
-        implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    implementation, interpret = resolve_implementation(implementation, interpret)
     if implementation == "pallas":
-        if interpret is None:
-            interpret = backend == "cpu"
-        if not interpret and backend not in PALLAS_BACKENDS:
-            raise ValueError(
-                f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
-                "pass interpret=True (or None) to use the Pallas interpreter"
-            )
         return block_sparse_attention_pallas(
-            q, k, v, block_indices, block_counts, segment_ids, int(block_size), bool(interpret)
+            q, k, v, block_indices, block_counts, segment_ids, int(block_size), interpret
         )
     return block_sparse_attention_xla(
         q, k, v, block_indices, block_counts, segment_ids, int(block_size)

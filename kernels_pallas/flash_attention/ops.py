@@ -5,7 +5,7 @@ implementation:
   "pallas"    Pallas kernels (pallas.py), FlashAttention-2 forward / dQ / dK,dV;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
   "auto"      "pallas" when jax.default_backend() is "gpu", else "xla" (TPU: see
-              AUTO_PALLAS_BACKENDS).
+              common.AUTO_PALLAS_BACKENDS).
 
 interpret (Pallas only): None = run the kernels in the Pallas interpreter iff the backend is
 CPU (slow; for tests); True / False force it. Compiled Pallas on CPU does not exist.
@@ -15,20 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import numpy as np
 
-from kernels_pallas.common import check_qkv
+from kernels_pallas.common import check_qkv, resolve_implementation
 from kernels_pallas.flash_attention.pallas import flash_attention_pallas
 from kernels_pallas.flash_attention.reference import attention_reference
 from kernels_pallas.flash_attention.xla import flash_attention_xla
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
-# "auto" picks Pallas only where the kernels are expected to lower: the GPU (Triton) path.
-# On TPU, Mosaic wants the block tables as scalar-prefetch (SMEM) operands, which pallas.py
-# does not do yet, so "auto" stays on XLA there; implementation="pallas" still tries.
-AUTO_PALLAS_BACKENDS = ("gpu",)
-PALLAS_BACKENDS = ("gpu", "tpu")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,24 +74,15 @@ def flash_attention(
         # same argument errors on every path
         BlockSizes(*(1 if b is None else b for b in (block_q, block_k)))
         return attention_reference(q, k, v, segment_ids, causal)
-    backend = jax.default_backend()
-    if implementation == "auto":
-        implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
+    implementation, interpret = resolve_implementation(implementation, interpret)
     default = DEFAULT_BLOCKS[implementation]
     blocks = BlockSizes(
         default.block_q if block_q is None else block_q,
         default.block_k if block_k is None else block_k,
     )
     if implementation == "pallas":
-        if interpret is None:
-            interpret = backend == "cpu"
-        if not interpret and backend not in PALLAS_BACKENDS:
-            raise ValueError(
-                f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
-                "pass interpret=True (or None) to use the Pallas interpreter"
-            )
         return flash_attention_pallas(
-            q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k, bool(interpret)
+            q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k, interpret
         )
     return flash_attention_xla(
         q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k
