@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxsb.devices import setup_host_devices
+from jaxsb.devices import init_distributed, setup_host_devices
 
 
 def base_parser(description: str) -> argparse.ArgumentParser:
@@ -30,5 +30,9 @@ def parse_config(args: argparse.Namespace):
         sys.exit(f"config error: {e}")
 
 
-def init_devices() -> None:
+def init_devices(parallel=None) -> None:
+    """Simulated CPU devices when there is no accelerator; then, given the run's
+    ParallelConfig with a coordinator, joins the other processes (before any device is used)."""
     setup_host_devices()
+    if parallel is not None:
+        init_distributed(parallel.coordinator, parallel.num_processes, parallel.process_id)

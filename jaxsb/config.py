@@ -18,6 +18,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ATTENTION_IMPLEMENTATIONS = ("xla", "flash", "sparse", "reference", "jax")
+PLANNERS = ("none", "static", "batch-adaptive", "flexsp", "skrull", "jaxsb")
 CONFIG_DIR = REPO_ROOT / "configs"
 
 
@@ -178,9 +179,47 @@ class ParallelConfig:
 
     devices: int = 0  # 0: all visible devices
     fsdp: bool = True  # shard parameters and optimiser state over all devices
+    # Per-step layout of the sequences over the devices (jaxsb/planner/, executed by
+    # jaxsb/parallel/): none = packed rows, plain data parallelism, no plan | static |
+    # batch-adaptive | flexsp | skrull | jaxsb
+    planner: str = "jaxsb"
+    scheme: str = "ring"  # attention of multi-device groups: ring | ulysses (uneven groups: ring)
+    preset: str = "cpu"  # cost model: a preset name (see jaxsb.planner.cost) or a calibrated JSON path
+    sp_degree: int = 0  # the static planner's degree (0 = all devices)
+    cp: int = 0  # skrull's context-parallel group size (0 = all devices; dp = devices / cp)
+    max_programs: int = 8  # compiled step programs at most; later plans reuse or fall back
+    plan_time_limit_s: float = 1.0
+    background_planning: bool = True  # plan step t+1 while step t runs
+    # Several processes (one per host) joined by jax.distributed.initialize: "" = one process |
+    # "auto" = the cluster says (TPU pod slice, SLURM, Open MPI) | "host:port" of process 0,
+    # with num_processes and this process's process_id (0 .. num_processes-1)
+    coordinator: str = ""
+    num_processes: int = 1
+    process_id: int = 0
 
     def validate(self, prefix: str = "parallel") -> None:
         _check(self.devices >= 0, f"{prefix}.devices", "must be >= 0 (0 = all)")
+        _one_of(self.planner, PLANNERS, f"{prefix}.planner")
+        _one_of(self.scheme, ("ring", "ulysses"), f"{prefix}.scheme")
+        _check(self.sp_degree >= 0 and self.cp >= 0, prefix, "sp_degree and cp must be >= 0 (0 = all devices)")
+        _check(self.max_programs >= 2, f"{prefix}.max_programs",
+               f"must be >= 2 (one slot is kept for the fallback plan), got {self.max_programs}")
+        _check(self.plan_time_limit_s > 0, f"{prefix}.plan_time_limit_s", "must be > 0")
+        self._validate_processes(prefix)
+
+    def _validate_processes(self, prefix: str) -> None:
+        c, n, i = self.coordinator, self.num_processes, self.process_id
+        if c in ("", "auto"):
+            _check(n == 1 and i == 0, f"{prefix}.num_processes",
+                   f"got num_processes={n}, process_id={i} with coordinator={c!r}: "
+                   + ("one process needs no coordinator; set parallel.coordinator=HOST:PORT of process 0"
+                      if not c else "coordinator=auto takes both from the cluster; leave them unset"))
+            return
+        host, _, port = c.rpartition(":")
+        _check(bool(host) and port.isdigit() and 0 < int(port) < 65536, f"{prefix}.coordinator",
+               f"got {c!r}, expected HOST:PORT of process 0 (e.g. 10.0.0.1:1234), auto, or empty")
+        _check(n >= 1, f"{prefix}.num_processes", f"must be >= 1, got {n}")
+        _check(0 <= i < n, f"{prefix}.process_id", f"must be in [0, {n - 1}] (num_processes={n}), got {i}")
 
 
 @dataclasses.dataclass(frozen=True)

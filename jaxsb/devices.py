@@ -1,17 +1,32 @@
-"""Device setup that must happen before JAX is imported.
+"""Device setup: simulated CPU devices (before JAX is imported) and joining a multi-process run.
 
 On a machine with no accelerator, jaxsb simulates `count` CPU devices through
 `XLA_FLAGS=--xla_force_host_platform_device_count=N` so that the sharded code paths run the
 same way they would on a pod. A user's own XLA_FLAGS setting of the count is respected.
+
+Many machines (TPU pod slices, multi-node GPU, or several CPU processes on one host) run one
+process per host; `init_distributed` joins them through `jax.distributed.initialize` before
+any device is used, after which `jax.devices()` lists the devices of every process and each
+jitted step is one SPMD program over all of them. Every process runs the same host code on
+the same data; what must be decided once (the workdir, the tokenizer, a time-limited plan) is
+decided by process 0 and shared through the coordinator's key-value store (`share_from_main`),
+so no process waits on a device collective for host data.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import sys
+from typing import Callable, TypeVar
 
 DEFAULT_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
+# How long a process waits for process 0's share of host data (planning included).
+SHARE_TIMEOUT_S = 600
+_CHUNK = 1 << 20  # key-value store values are split into chunks of this many bytes
+
+T = TypeVar("T")
 
 
 def _has_accelerator() -> bool:
@@ -30,3 +45,112 @@ def setup_host_devices(count: int = DEFAULT_HOST_DEVICES) -> None:
     if _FLAG in flags or _has_accelerator():
         return
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
+
+
+def init_distributed(coordinator: str, num_processes: int = 1, process_id: int = 0) -> None:
+    """Joins a multi-process run (parallel.coordinator); a no-op for a single process.
+
+    `coordinator`: "" (one process), "auto" (TPU pod slices, SLURM, Open MPI: the cluster's
+    environment names the coordinator and this process) or "host:port" of process 0, with
+    `num_processes` and this process's `process_id`. Must run before any device is used."""
+    if not coordinator:
+        return
+    import jax
+
+    # CPU processes exchange collectives through gloo (the setting is ignored on GPU / TPU).
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if coordinator == "auto":
+        jax.distributed.initialize()
+    else:
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+
+
+def process_index() -> int:
+    import jax
+
+    return jax.process_index()
+
+
+def is_main_process() -> bool:
+    """Process 0 writes the run's files and prints; the others stay quiet."""
+    return process_index() == 0
+
+
+def _client():
+    import jax
+
+    if jax.process_count() == 1:
+        return None
+    from jax._src import distributed  # the coordinator's key-value store (orbax uses it too)
+
+    return distributed.global_state.client
+
+
+def _publish(client, key: str, payload: bytes) -> None:
+    chunks = [payload[i:i + _CHUNK] for i in range(0, len(payload), _CHUNK)] or [b""]
+    for i, chunk in enumerate(chunks):
+        client.key_value_set_bytes(f"{key}/{i}", chunk)
+    client.key_value_set(f"{key}/n", str(len(chunks)))  # last: readers wait on it
+
+
+def _fetch(client, key: str, timeout_s: float) -> bytes:
+    ms = int(timeout_s * 1000)
+    try:
+        n = int(client.blocking_key_value_get(f"{key}/n", ms))
+    except Exception as e:  # noqa: BLE001 - the runtime raises its own error types
+        raise TimeoutError(f"process {process_index()} waited {timeout_s:g} s for process 0 to share "
+                           f"{key!r}: {e}") from e
+    return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", ms) for i in range(n))
+
+
+def share_from_main(key: str, make: Callable[[], T], timeout_s: float = SHARE_TIMEOUT_S) -> T:
+    """`make()` run on process 0 only; every process returns its (pickled) result, or raises
+    process 0's exception. `key` must be unique within the run. One process: `make()`."""
+    client = _client()
+    if client is None:
+        return make()
+    if is_main_process():
+        try:
+            value = make()
+        except Exception as e:
+            _publish(client, key, _pickle_error(e))
+            raise
+        _publish(client, key, pickle.dumps(("ok", value)))
+        return value
+    status, value = pickle.loads(_fetch(client, key, timeout_s))
+    if status == "error":
+        raise value
+    return value
+
+
+def forget(key: str) -> None:
+    """Frees a `share_from_main` value once every process has read it (process 0 deletes)."""
+    client = _client()
+    if client is not None and is_main_process():
+        client.key_value_delete(key)  # deletes the key and everything under "key/"
+
+
+def _pickle_error(e: Exception) -> bytes:
+    try:
+        err = type(e)(f"on process 0: {e}")
+        return pickle.dumps(("error", err))
+    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt or pickled
+        return pickle.dumps(("error", RuntimeError(f"on process 0: {type(e).__name__}: {e}")))
+
+
+def barrier(name: str, timeout_s: float = SHARE_TIMEOUT_S) -> None:
+    """Waits until every process reaches `name` (unique within the run); one process: no-op."""
+    client = _client()
+    if client is not None:
+        client.wait_at_barrier(name, int(timeout_s * 1000))
+
+
+def global_array(host, sharding):
+    """A host array that every process holds whole (computed the same way everywhere) placed
+    on `sharding`'s devices: each process fills only its own devices' shards, so nothing
+    crosses between processes. One process: a plain `jax.device_put`."""
+    import jax
+
+    if jax.process_count() == 1:
+        return jax.device_put(host, sharding)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])

@@ -73,7 +73,7 @@ def measure_matmul_flops(size: int = 1024, repeats: int = 3) -> float:
 
 def peak_flops_per_device() -> tuple[float, str]:
     """(FLOP/s, where the figure comes from). Simulated CPU devices share the host's cores,
-    so for CPU the measured matmul rate is divided among them."""
+    so for CPU the measured matmul rate is divided among this process's devices."""
     import jax
 
     dev = jax.devices()[0]
@@ -83,8 +83,8 @@ def peak_flops_per_device() -> tuple[float, str]:
             if name.lower() in kind.lower():
                 return peak, f"data sheet ({kind})"
         return 0.0, f"unknown device kind {kind!r}: MFU not reported"
-    host = measure_matmul_flops()
-    return host / jax.device_count(), f"measured host matmul {host / 1e9:.0f} GFLOP/s shared by {jax.device_count()} CPU devices"
+    host, n = measure_matmul_flops(), jax.local_device_count()
+    return host / n, f"measured host matmul {host / 1e9:.0f} GFLOP/s shared by {n} CPU devices"
 
 
 class MetricsWriter:

@@ -124,7 +124,9 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     """Top-k key blocks per query block with a per-sequence k.
 
     q [B,T,H,D], k [B,T,K,D], segment_ids [B,T] int or None, budgets [B] int (key blocks per
-    query block, clamped to [1, max_blocks]), block_size and max_blocks static (max_blocks
+    query block, clamped to [1, max_blocks]) or [B,T] per token (a query block takes the budget
+    of its first token, i.e. of the document routed for it — per-sequence budgets in packed
+    rows whose documents start at block boundaries), block_size and max_blocks static (max_blocks
     defaults to nb = ceil(T / block_size)). Returns (block_indices [B,K,nb,max_blocks] int32,
     block_counts [B,K,nb] int32, Coverage).
     """
@@ -140,8 +142,8 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     max_blocks = nb if max_blocks is None else max_blocks
     if not isinstance(max_blocks, int) or not 1 <= max_blocks <= nb:
         raise ValueError(f"max_blocks={max_blocks!r} must be an int in [1, {nb}] (T={T}, {block_size=})")
-    if tuple(jnp.shape(budgets)) != (B,):
-        raise ValueError(f"budgets.shape={tuple(jnp.shape(budgets))} must be (B,)={(B,)}")
+    if tuple(jnp.shape(budgets)) not in ((B,), (B, T)):
+        raise ValueError(f"budgets.shape={tuple(jnp.shape(budgets))} must be (B,)={(B,)} or (B, T)={(B, T)}")
     if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
         raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
 
@@ -153,7 +155,12 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     ranked = jnp.where(diag, jnp.inf, scores)  # diagonal first, then by score
     # top_k breaks ties by the lower index, so the selection is deterministic.
     _, idx = lax.top_k(ranked, max_blocks)
-    budget = jnp.clip(jnp.asarray(budgets, jnp.int32), 1, max_blocks)[:, None, None]
+    budgets = jnp.asarray(budgets, jnp.int32)
+    if budgets.ndim == 2:  # per token -> per query block: the budget of the block's first token
+        budget = budgets[:, :: block_size][:, None, :]  # [B, 1, nq]
+    else:
+        budget = budgets[:, None, None]
+    budget = jnp.clip(budget, 1, max_blocks)
     counts = jnp.minimum(budget, n_eligible).astype(jnp.int32)
 
     # Coverage: softmax over eligible scores; selected = first `counts` ranked entries.

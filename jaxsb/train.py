@@ -1,4 +1,5 @@
-"""`python -m jaxsb.train`: parse the config, set up devices, train, print the summary."""
+"""`python -m jaxsb.train`: parse the config, set up devices (and join the other processes of a
+multi-process run), train, print the summary."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ from jaxsb.cli import base_parser, init_devices, parse_config
 def main(argv: list[str] | None = None) -> int:
     args = base_parser("Train a LLaMA-style model with jaxsb.").parse_args(argv)
     cfg = parse_config(args)
-    init_devices()
+    init_devices(cfg.parallel)
     from jaxsb.config import ConfigError
     from jaxsb.data import DataError
+    from jaxsb.devices import is_main_process
     from jaxsb.trainer import train
 
     try:
@@ -20,6 +22,8 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if not is_main_process():
+        return 0  # process 0 reports for the whole run
     steps = result.last_step - result.first_step
     print(f"\ntrained {steps} steps ({result.first_step} -> {result.last_step}), {result.tokens:,} tokens "
           f"in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s); "

@@ -23,16 +23,20 @@ from flax import nnx
 from jaxsb import mesh as mesh_lib
 from jaxsb.checkpoint import Checkpointer, abstract_with_shardings
 from jaxsb.config import Config, ConfigError, ModelConfig, config_from_json, default_workdir
-from jaxsb.data import Batch, DataIterator, Tokenizer, build_tokenizer
+from jaxsb.data import Batch, DataError, DataIterator, Tokenizer, build_tokenizer
+from jaxsb.devices import forget, global_array, is_main_process, process_index, share_from_main
 from jaxsb.metrics import MetricsWriter, Progress, peak_flops_per_device, useful_train_flops
 from jaxsb.models import Llama
 from jaxsb.models.loss import next_token_loss
+from jaxsb.models.stats import pop_layer_stats
 from jaxsb.optim import learning_rate_schedule, make_optimizer
 
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 # Sections that must match when a run resumes in an existing workdir (train.* may change,
 # e.g. to extend a run).
 _FROZEN_SECTIONS = ("model", "tokenizer", "data", "parallel")
+# How this launch joined its processes: a resumed run may be launched differently.
+_LAUNCH_FIELDS = ("parallel.coordinator", "parallel.num_processes", "parallel.process_id")
 
 
 @dataclasses.dataclass
@@ -63,6 +67,7 @@ def prepare_workdir(cfg: Config) -> tuple[Config, str]:
             for section in _FROZEN_SECTIONS
             for k, v in dataclasses.asdict(getattr(saved, section)).items()
             if _normalise(v) != _normalise(dataclasses.asdict(getattr(cfg, section))[k])
+            and f"{section}.{k}" not in _LAUNCH_FIELDS
         ]
         if diffs:
             raise ConfigError(
@@ -90,7 +95,8 @@ def load_model_and_tokenizer(cfg: Config, workdir: str | None):
                               eos_id=pre.eos_id, name=cfg.model.init)
         model_cfg.validate()
         return model_cfg, tokenizer, pre.params
-    tokenizer = build_tokenizer(cfg.tokenizer, cfg.data, workdir)
+    # Process 0 trains (or reloads) the BPE; the others get the very same one.
+    tokenizer = share_from_main("jaxsb/tokenizer", lambda: build_tokenizer(cfg.tokenizer, cfg.data, workdir))
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size}")
@@ -100,7 +106,7 @@ def load_model_and_tokenizer(cfg: Config, workdir: str | None):
 def split_model(model: nnx.Module):
     """(graphdef, params as a pure dict, the rest of the model's state)."""
     graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-    return graphdef, params.to_pure_dict(), rest
+    return graphdef, nnx.to_pure_dict(params), rest
 
 
 def build_model_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool, pretrained_params=None):
@@ -137,18 +143,6 @@ def _cast_like(numpy_tree, abstract_tree):
         return x.astype(a.dtype)
 
     return jax.tree.map(one, numpy_tree, abstract_tree)
-
-
-def pop_layer_stats(model: nnx.Module) -> dict[str, jax.Array]:
-    """Means over layers of the values the model sowed as nnx.Intermediate (e.g. the sparse
-    router's selected blocks and coverage); empty for dense attention."""
-    sown = nnx.pop(model, nnx.Intermediate).to_pure_dict()
-    by_name: dict[str, list] = {}
-    for path, value in jax.tree_util.tree_leaves_with_path(sown):
-        names = [getattr(k, "key", None) for k in path]
-        name = next(n for n in reversed(names) if isinstance(n, str))
-        by_name.setdefault(name, []).append(value)
-    return {name: jnp.mean(jnp.stack(values)) for name, values in sorted(by_name.items())}
 
 
 def make_loss_fn(graphdef, rest) -> Callable:
@@ -201,14 +195,172 @@ class StepCompiler:
 
 
 def batch_to_device(batch: Batch, sharding) -> dict[str, jax.Array]:
-    return {name: jax.device_put(np.asarray(getattr(batch, name)), sharding) for name in BATCH_FIELDS}
+    return {name: global_array(np.asarray(getattr(batch, name)), sharding) for name in BATCH_FIELDS}
+
+
+def batch_digest(batch: Batch) -> str:
+    """A fingerprint of a step's data, to check that every process drew the same batch."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in BATCH_FIELDS:
+        h.update(np.ascontiguousarray(getattr(batch, name)).tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One step ready to dispatch: the compiled program, its arguments and what to log."""
+
+    batch: Batch
+    compiled: Any
+    args: tuple
+    is_new: bool
+    compile_s: float
+    data_state: dict
+    record: dict  # extra metrics (the plan's summary, solve time, ...)
+
+
+class RowSteps:
+    """parallel.planner=none: packed rows split over the devices (plain data parallelism)."""
+
+    def __init__(self, data: DataIterator, state_shardings, graphdef, rest, tx, mesh):
+        self.data = data
+        self.sharding = mesh_lib.batch_sharding(mesh)
+        self.compiler = StepCompiler(make_train_step(graphdef, rest, tx), state_shardings, self.sharding)
+
+    def prepare(self, state, more: bool = True) -> PreparedStep:
+        batch = self.data.next()
+        arrays = batch_to_device(batch, self.sharding)
+        c0 = self.compiler.compile_seconds
+        compiled, is_new = self.compiler.get(state, arrays)
+        return PreparedStep(batch, compiled, (arrays,), is_new, self.compiler.compile_seconds - c0,
+                            self.data.state(), {})
+
+    def close(self) -> None:
+        pass
+
+
+class PlannedSteps:
+    """A planner lays each step's sequences out over the devices (jaxsb/parallel/steps.py);
+    the plan for step t+1 is made in a background thread while step t runs.
+
+    With several processes, every process draws the same batch but only process 0 plans (a
+    time-limited solver need not give the same plan twice); the others receive its plan."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, data: DataIterator, state_shardings, graphdef,
+                 rest, tx, mesh, log):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from jaxsb.parallel.executor import PlanCompiler
+        from jaxsb.parallel.steps import ProgramBudget, StepPlanner
+
+        self.data, self.mesh, self.model_cfg, self.log = data, mesh, model_cfg, log
+        self.planner = StepPlanner(cfg, model_cfg, mesh.devices.size)
+        self.budget = ProgramBudget(cfg.parallel.max_programs, model_cfg)
+        self.compiler = PlanCompiler(graphdef, rest, tx, model_cfg, mesh, state_shardings)
+        self.pool = ThreadPoolExecutor(1) if cfg.parallel.background_planning else None
+        self.pending = None
+        self.drawn = 0  # batches drawn: the same count on every process
+
+    def _draw_and_plan(self):
+        batch = self.data.next()
+        data_state = self.data.state()
+        self.drawn += 1
+        planned = self.planner.plan(batch) if jax.process_count() == 1 else self._shared_plan(batch, self.drawn)
+        planned.data_state = data_state
+        return planned
+
+    def _shared_plan(self, batch: Batch, n: int):
+        from jaxsb.parallel.layout import sequences_from_rows
+        from jaxsb.parallel.steps import PlannedBatch
+
+        digest, mine = batch_digest(batch), {}
+
+        def plan_on_main():
+            mine["planned"] = self.planner.plan(batch)
+            p = mine["planned"]
+            return digest, p.plan, p.solve_s, p.info
+
+        key = f"jaxsb/plan/{n}"
+        main_digest, plan, solve_s, info = share_from_main(key, plan_on_main)
+        # Process 0 has the results of the launch's step n-3 by now: every process took part
+        # in it, so every process has read plan n-3.
+        if n > 3:
+            forget(f"jaxsb/plan/{n - 3}")
+        if main_digest != digest:
+            raise DataError(f"process {process_index()} drew a different batch than process 0 for step "
+                            f"{n} of this launch: every process must read the same data (same files, same "
+                            "data.* and tokenizer settings)")
+        if "planned" in mine:
+            return mine["planned"]
+        seqs = sequences_from_rows(batch.tokens, batch.targets, batch.loss_mask, batch.segment_ids,
+                                   batch.positions)
+        return PlannedBatch(batch, seqs, plan, solve_s, info)
+
+    def prepare(self, state, more: bool = True) -> PreparedStep:
+        """`more`: another step follows (so its plan is started in the background)."""
+        from jaxsb.parallel.executor import layout_plan
+        from jaxsb.parallel.steps import load_balance
+
+        t0 = time.perf_counter()
+        planned = self.pending.result() if self.pending is not None else self._draw_and_plan()
+        wait_s = time.perf_counter() - t0
+        if self.pool is not None and more:  # plan the next step while this one runs
+            self.pending = self.pool.submit(self._draw_and_plan)
+        adm = self.budget.admit(planned.plan, self.planner.fallback)
+        if adm.how == "over-bound":
+            self.log(f"warning: plan {adm.plan.summary()} needs a program beyond parallel.max_programs="
+                     f"{self.budget.max_programs}")
+        plan = adm.plan
+        arrays = layout_plan(plan, planned.seqs, self.model_cfg, self.mesh)
+        num_targets = jnp.asarray(float(planned.batch.num_targets), jnp.float32)
+        c0 = self.compiler.compile_seconds
+        compiled, is_new = self.compiler.get(plan.template, state, arrays, num_targets)
+        load_max, load_mean = load_balance(plan, self.planner.cost)
+        record = {
+            "plan": plan.summary(), "planner": plan.planner or self.planner.cfg.parallel.planner,
+            "plan_admission": adm.how, "microbatches": len(plan.template.microbatches),
+            "tokens_per_device": [mb.tokens_per_device for mb in plan.template.microbatches],
+            "predicted_step_ms": None if plan.predicted_ms != plan.predicted_ms else plan.predicted_ms,
+            "load_max_ms": load_max, "load_mean_ms": load_mean,
+            "load_imbalance": load_max / load_mean if load_mean > 0 else 1.0,
+            "plan_solve_s": planned.solve_s, "plan_wait_s": wait_s,
+            "plan_fell_back": bool(planned.info.get("fell_back", False)),
+        }
+        return PreparedStep(planned.batch, compiled, (arrays, num_targets), is_new,
+                            self.compiler.compile_seconds - c0, planned.data_state, record)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --------------------------------------------------------------------------- the loop
 
 
+class _NoMetrics:
+    """Processes other than 0 write no metrics.jsonl (process 0 records the shared step)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
-    cfg, workdir = prepare_workdir(cfg)
+    """Runs (or resumes) the configured training. With several processes (parallel.coordinator)
+    every process calls this; process 0 alone writes the workdir's files and logs."""
+    main = is_main_process()
+    if not main:
+        log = lambda _message: None  # noqa: E731
+    if jax.process_count() > 1 and cfg.parallel.devices not in (0, jax.device_count()):
+        raise ConfigError(f"parallel.devices={cfg.parallel.devices}: a run of {jax.process_count()} processes "
+                          f"uses all {jax.device_count()} devices (set 0)")
+    # Process 0 checks and writes the workdir (its default name has a timestamp); all use it.
+    workdir = share_from_main("jaxsb/workdir", lambda: prepare_workdir(cfg)[1])
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=workdir))
     mesh = mesh_lib.make_mesh(cfg.parallel.devices)
     num_devices = mesh.devices.size
     model_cfg, tokenizer, pretrained = load_model_and_tokenizer(cfg, workdir)
@@ -225,14 +377,20 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         start = latest
         log(f"resumed from {ckpt.directory} at step {start}")
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
-    log(f"jaxsb: {n_params / 1e6:.2f}M parameters, {num_devices} {jax.devices()[0].platform} devices, "
-        f"{num_rows} rows per step, tokenizer vocab {tokenizer.vocab_size}, workdir {workdir}")
+    processes = f" on {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    log(f"jaxsb: {n_params / 1e6:.2f}M parameters, {num_devices} {jax.devices()[0].platform} devices{processes}, "
+        f"{num_rows} rows per step, tokenizer vocab {tokenizer.vocab_size}, planner {cfg.parallel.planner}, "
+        f"workdir {workdir}")
 
-    compiler = StepCompiler(make_train_step(graphdef, rest, tx), shardings, mesh_lib.batch_sharding(mesh))
+    if cfg.parallel.planner == "none":
+        steps = RowSteps(data, shardings, graphdef, rest, tx, mesh)
+    else:
+        steps = PlannedSteps(cfg, model_cfg, data, shardings, graphdef, rest, tx, mesh, log)
+    compiler = steps.compiler
     schedule = learning_rate_schedule(cfg.train)
     peak, peak_source = peak_flops_per_device()
-    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_from_step=start)
-    progress = Progress(cfg.train.steps, start, cfg.train.progress)
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_from_step=start) if main else _NoMetrics()
+    progress = Progress(cfg.train.steps, start, cfg.train.progress and main)
 
     t_start = time.perf_counter()
     tokens_total, final_loss, pending = 0, None, None
@@ -247,7 +405,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         # Compiling and checkpointing done inside this interval are not step time.
         step_time = now - last_done - paused_s
         last_done, paused_s = now, 0.0
-        batch: Batch = p["batch"]
+        prepared: PreparedStep = p["prepared"]
+        batch = prepared.batch
         tokens = int(sum(batch.doc_lengths))
         sparse_blocks = float(metrics["sparse_blocks"]) if "sparse_blocks" in metrics else None
         flops = useful_train_flops(model_cfg, batch.doc_lengths, sparse_blocks)
@@ -259,10 +418,13 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
             "rows": int(batch.tokens.shape[0]), "row_len": int(batch.tokens.shape[1]),
             "docs": len(batch.doc_lengths),
             "padding_frac": 1.0 - tokens / batch.tokens.size,
-            "compiles": compiler.count, "compiled_now": p["compiled"], "compile_s": p["compile_s"],
+            "compiles": compiler.count, "compiled_now": prepared.is_new, "compile_s": prepared.compile_s,
             "useful_tflops": flops / 1e12,
             "mfu": flops / (step_time * peak * num_devices) if peak and step_time > 0 else None,
+            **prepared.record,
         }
+        if "predicted_step_ms" in record:
+            record["measured_step_ms"] = step_time * 1e3
         if model_cfg.attention == "sparse":
             record["sparse_budget"] = model_cfg.sparse.top_k
             record["sparse_blocks"] = sparse_blocks  # mean selected per query block
@@ -272,31 +434,35 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         tokens_total += tokens
         final_loss = record["loss"]
 
-    for step in range(start + 1, cfg.train.steps + 1):
-        batch = data.next()
-        arrays = batch_to_device(batch, mesh_lib.batch_sharding(mesh))
-        c0 = compiler.compile_seconds
-        compiled, is_new = compiler.get(state, arrays)
-        paused_s += compiler.compile_seconds - c0
-        state, metrics = compiled(state, arrays)
+    try:
+        for step in range(start + 1, cfg.train.steps + 1):
+            c0 = compiler.compile_seconds
+            prepared = steps.prepare(state, more=step < cfg.train.steps)
+            paused_s += compiler.compile_seconds - c0
+            state, metrics = prepared.compiled(state, *prepared.args)
+            if pending is not None:
+                finish(pending)
+            pending = {"step": step, "metrics": metrics, "prepared": prepared}
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                jax.block_until_ready(state)  # the step's own compute is step time
+                t0 = time.perf_counter()
+                ckpt.save(step, state, {"data": prepared.data_state, "step": step})
+                ckpt.wait()
+                paused_s += time.perf_counter() - t0
         if pending is not None:
             finish(pending)
-        pending = {"step": step, "metrics": metrics, "batch": batch, "compiled": is_new,
-                   "compile_s": compiler.compile_seconds - c0}
-        if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-            jax.block_until_ready(state)  # the step's own compute is step time
-            t0 = time.perf_counter()
-            ckpt.save(step, state, {"data": data.state(), "step": step})
-            ckpt.wait()
-            paused_s += time.perf_counter() - t0
-    if pending is not None:
-        finish(pending)
+    finally:
+        steps.close()
     progress.close()
     writer.close()
     ckpt.close()
     seconds = time.perf_counter() - t_start
     result = RunResult(workdir, start, cfg.train.steps, final_loss, tokens_total, seconds,
                        compiler.count, data.stats.summary())
-    with open(os.path.join(workdir, "summary.json"), "w") as f:
-        json.dump(dataclasses.asdict(result) | {"peak_flops_source": peak_source}, f, indent=2)
+    summary = dataclasses.asdict(result) | {"peak_flops_source": peak_source}
+    if isinstance(steps, PlannedSteps):
+        summary["plan_admissions"] = steps.budget.counts
+    if main:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
     return result

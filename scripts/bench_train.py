@@ -36,7 +36,7 @@ from jaxsb import mesh as mesh_lib  # noqa: E402
 from jaxsb.config import load_config  # noqa: E402
 from jaxsb.data import Batch, DataIterator  # noqa: E402
 from jaxsb.trainer import (  # noqa: E402
-    BATCH_FIELDS, StepCompiler, batch_to_device, build_model_fns, load_model_and_tokenizer, make_train_step)
+    BATCH_FIELDS, StepCompiler, build_model_fns, load_model_and_tokenizer, make_train_step)
 
 
 def unpack_pieces(batch: Batch) -> list[dict[str, np.ndarray]]:

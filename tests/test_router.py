@@ -159,12 +159,29 @@ def test_budgets_are_data_under_jit():
     assert f._cache_size() == 1
 
 
+def test_per_token_budgets_give_each_document_its_own():
+    """budgets [B, T]: two block-aligned documents in one row with budgets 1 and 3 are routed
+    exactly as when each is alone in a row with a per-row budget."""
+    q, k = (jnp.asarray(x) for x in _qk(seed=5))
+    T = q.shape[1]
+    half = (T // 2 // BS) * BS
+    seg = jnp.asarray(np.r_[np.ones(half), 2 * np.ones(T - half)].astype(np.int32))[None].repeat(2, 0)
+    per_token = jnp.where(seg == 1, 1, 3)
+    idx, counts, _ = route(q, k, seg, per_token, BS)
+    for doc, budget in ((1, 1), (2, 3)):
+        _, want, _ = route(q, k, seg, jnp.array([budget, budget]), BS)
+        blocks = np.flatnonzero(np.asarray(seg[0, ::BS]) == doc)
+        np.testing.assert_array_equal(np.asarray(counts)[..., blocks], np.asarray(want)[..., blocks])
+    assert np.asarray(counts)[..., half // BS:].max() > 1  # the second document uses its larger budget
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
         ({"max_blocks": 11}, "max_blocks=11"),
         ({"block_size": 0}, "block_size=0"),
         ({"budgets": jnp.array([1, 2, 3])}, "budgets.shape=(3,)"),
+        ({"budgets": jnp.ones((2, 5), jnp.int32)}, "budgets.shape=(2, 5)"),
         ({"segment_ids": jnp.ones((2, 7), jnp.int32)}, "(2, 7)"),
     ],
 )

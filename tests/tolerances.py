@@ -25,6 +25,8 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
     # the same step under different device counts / shardings (reduction order differs)
     ("sharded_loss", "float32"): (1e-5, 1e-6),
     ("sharded_grad", "float32"): (1e-4, 1e-6),
+    # a fixed-seed training run under different planners (issue 4: 1e-4 relative per step)
+    ("planner_loss", "float32"): (1e-4, 0.0),
     # resumed vs uninterrupted training, same device count: identical programs
     ("resume_loss", "float32"): (1e-6, 0.0),
 }

@@ -8,12 +8,40 @@ being built).
 
 Mask semantics (owned by the kernel): token i attends to token j iff
 segment_ids[i] == segment_ids[j] and j <= i. Segment id 0 marks padding.
+
+Under sequence parallelism the executor (jaxsb/parallel/executor.py) replaces the model's
+attention while it traces a device's share of a plan: `attention_override(fn)` makes every
+attention layer call `fn(q, k, v, segment_ids, budgets) -> (out, stats)` instead, where `fn`
+knows the device's group, scheme and token positions. It is a trace-time setting (a context
+variable), so the model's signature does not change with the layout.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
+
+_OVERRIDE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("jaxsb_attention_override",
+                                                                           default=None)
+
+
+@contextlib.contextmanager
+def attention_override(fn: Callable):
+    """Within the block, attention layers call `fn(q, k, v, segment_ids, budgets) -> (out, stats)`;
+    `stats` is a dict of scalars the layer sows (e.g. sparse_blocks, sparse_coverage)."""
+    token = _OVERRIDE.set(fn)
+    try:
+        yield
+    finally:
+        _OVERRIDE.reset(token)
+
+
+def current_override() -> Callable | None:
+    return _OVERRIDE.get()
 
 
 def _kernel():

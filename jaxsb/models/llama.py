@@ -19,7 +19,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsb.config import ModelConfig
-from jaxsb.models.attention import attend, sparse_attend
+from jaxsb.models.attention import attend, current_override, sparse_attend
 
 
 def _dtype(name: str):
@@ -80,7 +80,12 @@ class Attention(nnx.Module):
         v_BxTxKxD = self.v_proj(x_BxTxE).reshape(B, T, cfg.kv_heads, cfg.head_dim)
         q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
         k_BxTxKxD = apply_rope(k_BxTxKxD, cos_BxTxD, sin_BxTxD)
-        if cfg.attention == "sparse":
+        override = current_override()
+        if override is not None:  # sequence-parallel execution (jaxsb/parallel/executor.py)
+            out_BxTxHxD, stats = override(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, budgets_B)
+            for name, value in stats.items():
+                self.sow(nnx.Intermediate, name, value)
+        elif cfg.attention == "sparse":
             out_BxTxHxD, blocks, coverage = sparse_attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
                                                           budgets_B, block_size=cfg.sparse.block_size)
             # per-layer routing statistics, collected by the trainer (nnx.Intermediate)

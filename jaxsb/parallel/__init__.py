@@ -1,0 +1,1 @@
+"""Sequence-parallel execution of plans."""

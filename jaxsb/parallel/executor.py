@@ -1,0 +1,265 @@
+"""The executor: runs a Plan as one compiled SPMD program.
+
+For each micro-batch of the plan's template, the model runs under `jax.shard_map` with one
+token buffer per device (jaxsb/parallel/layout.py). Everything but attention is token-local,
+so the model code is unchanged; attention is replaced for the trace
+(`jaxsb.models.attention.attention_override`) by the device's share of its group's
+sequence-parallel attention:
+
+  * ring micro-batches (groups of any degrees side by side, degree-1 groups included) run on
+    the 1-D mesh: `jaxsb.parallel.ring.ring_attention` with one `ppermute` per round whose
+    permutation is the union of the groups' cycles (`ring_sparse.ring_sparse_attention` for
+    routed block-sparse attention: pooled key blocks go round first, then only the selected
+    blocks of each visiting K/V shard are computed);
+  * ulysses micro-batches (every group of one degree d) run on the same devices viewed as a
+    (N/d, d) mesh: `jaxsb.parallel.ulysses.ulysses_attention` (all-to-all over "sp");
+  * local micro-batches (all groups of degree 1) need no communication;
+  * the local region of every buffer (Skrull's whole sequences) is attended to on its device.
+
+Parameters enter each micro-batch's shard_map replicated (`P()`), so XLA all-gathers the
+FSDP-sharded parameters at its start and the gradient of that broadcast is the sum over
+devices (shard_map's transpose); gradients are accumulated over micro-batches and, with the
+loss, divided by the global number of target tokens — the same loss and gradients whatever
+the plan. The optimiser update runs on the FSDP-sharded state outside the shard_maps.
+
+Compiled programs are cached by the plan's template (`PlanCompiler`); the step's data are
+arrays, so a new step with a known template does not compile.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxsb.config import ModelConfig
+from jaxsb.mesh import AXIS
+from jaxsb.models.attention import attend, attention_override, sparse_attend
+from jaxsb.models.loss import next_token_loss
+from jaxsb.models.stats import pop_layer_stats
+from jaxsb.parallel.layout import FIELDS, SeqData, layout_microbatch
+from jaxsb.planner.plan import MicroBatch, Plan, Template, executable_problem
+
+SP_AXIS, GROUPS_AXIS = "sp", "groups"
+
+
+def check_executable(template: Template, model_cfg: ModelConfig) -> None:
+    """Raises ValueError when this executor cannot run the template with this model."""
+    problem = executable_problem(template)
+    if problem is None and model_cfg.attention == "sparse":
+        bs = model_cfg.sparse.block_size
+        ring = [m for m, mb in enumerate(template.microbatches)
+                if mb.scheme == "ring" and mb.shard_len % (2 * bs)]
+        uneven = [m for m, mb in enumerate(template.microbatches)
+                  if mb.scheme == "ulysses" and model_cfg.kv_heads % mb.groups[0].degree]
+        if ring:
+            problem = (f"micro-batches {ring}: block-sparse ring attention needs zigzag chunks of whole "
+                       f"{bs}-token blocks (shard_len a multiple of {2 * bs}); build the plan with "
+                       f"align={bs}")
+        elif uneven:
+            problem = (f"micro-batches {uneven}: sparse routing pools queries over all query heads of a kv "
+                       f"head, so ulysses degrees must divide kv_heads={model_cfg.kv_heads} (else kv heads "
+                       "are repeated and the routing would change with the plan)")
+    if problem is not None:
+        raise ValueError(f"plan {template.summary()!r} cannot be executed: {problem}")
+
+
+def alignment(model_cfg: ModelConfig) -> int:
+    """Sequences start on sparse-block boundaries for sparse attention (routing is per block)."""
+    return model_cfg.sparse.block_size if model_cfg.attention == "sparse" else 1
+
+
+def microbatch_mesh(mesh: Mesh, mb: MicroBatch) -> tuple[Mesh, Any]:
+    """(mesh, the partition of a [devices, tokens] buffer's first dimension) for one micro-batch."""
+    if mb.scheme == "ulysses":
+        d = mb.groups[0].degree
+        devices = mesh.devices.reshape(-1, d)
+        return Mesh(devices, (GROUPS_AXIS, SP_AXIS)), (GROUPS_AXIS, SP_AXIS)
+    return mesh, AXIS
+
+
+def _local_attention(model_cfg: ModelConfig, stats: list):
+    """Whole-sequence attention on one device's rows (dense or routed block-sparse)."""
+
+    def fn(q, k, v, seg, budgets_BxT):
+        if model_cfg.attention == "sparse":
+            out, blocks, coverage = sparse_attend(q, k, v, seg, budgets_BxT, block_size=model_cfg.sparse.block_size)
+            stats.append((blocks, coverage, jnp.sum(seg > 0)))
+            return out
+        return attend(q, k, v, seg, implementation=model_cfg.attention, block=model_cfg.attention_block)
+
+    return fn
+
+
+def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_BxT):
+    """The attention override for one device's buffer of micro-batch `mb` (traced in shard_map)."""
+    S = mb.shard_len
+
+    def fn(q, k, v, seg, _budgets_B):
+        stats: list = []
+        local = _local_attention(model_cfg, stats)
+        qa, ka, va, sa = q[:, :S], k[:, :S], v[:, :S], seg[:, :S]
+        if mb.scheme == "ring" and model_cfg.attention == "sparse":
+            from jaxsb.parallel.ring_sparse import ring_sparse_attention
+
+            groups = tuple((g.start, g.degree) for g in mb.groups)
+            out, blocks, coverage = ring_sparse_attention(
+                qa, ka, va, sa, pos_BxT[:, :S], budgets_BxT[:, :S], axis_name=AXIS, groups=groups,
+                block_size=model_cfg.sparse.block_size)
+            stats.append((blocks, coverage, jnp.sum(sa > 0)))
+        elif mb.scheme == "ring":
+            from jaxsb.parallel.ring import ring_attention
+
+            groups = tuple((g.start, g.degree) for g in mb.groups)
+            out = ring_attention(qa, ka, va, sa, pos_BxT[:, :S], axis_name=AXIS, groups=groups,
+                                 block=model_cfg.attention_block)
+        elif mb.scheme == "ulysses":
+            from jaxsb.parallel.ulysses import ulysses_attention
+
+            full_budgets = jax.lax.all_gather(budgets_BxT[:, :S], SP_AXIS, axis=1, tiled=True)
+            out = ulysses_attention(qa, ka, va, sa, axis_name=SP_AXIS, degree=mb.groups[0].degree,
+                                    attention_fn=lambda q_, k_, v_, s_: local(q_, k_, v_, s_, full_budgets))
+        else:
+            out = local(qa, ka, va, sa, budgets_BxT[:, :S])
+        if mb.local_len:
+            out_local = local(q[:, S:], k[:, S:], v[:, S:], seg[:, S:], budgets_BxT[:, S:])
+            out = jnp.concatenate([out, out_local], axis=1)
+        layer_stats = {}
+        if stats:  # token-weighted means over the calls of this layer
+            w = sum(n for _, _, n in stats)
+            w = jnp.maximum(w, 1)
+            layer_stats = {"sparse_blocks": sum(b * n for b, _, n in stats) / w,
+                           "sparse_coverage": sum(c * n for _, c, n in stats) / w}
+        return out, layer_stats
+
+    return fn
+
+
+def microbatch_loss_fn(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, mb: MicroBatch) -> Callable:
+    """(params, {field: [N, T] array}) -> (sum of token losses, (target count, stats)) for one
+    micro-batch; stats are device means of the sown sparse statistics (empty when dense)."""
+    mb_mesh, spec = microbatch_mesh(mesh, mb)
+
+    def body(params, tokens, targets, loss_mask, seg, pos, budgets):
+        model = nnx.merge(graphdef, params, rest)
+        with attention_override(_device_attention(model_cfg, mb, pos, budgets)):
+            logits = model(tokens, seg, pos)
+        loss_sum, count = next_token_loss(logits, targets, loss_mask)
+        stats = pop_layer_stats(model)
+        # Per-device values, reduced outside: no collective in the body but attention's own.
+        return loss_sum[None], count[None], {k: v[None] for k, v in stats.items()}
+
+    row = P(spec, None)
+    # check_vma=False: the kernels' loop carries start replicated and become per-device; the
+    # replicated parameters' cotangents are still summed over devices by the transpose.
+    sharded = jax.shard_map(body, mesh=mb_mesh, in_specs=(P(), row, row, row, row, row, row),
+                            out_specs=(P(spec), P(spec), P(spec)), check_vma=False)
+
+    def loss(params, arrays):
+        loss_N, count_N, stats_N = sharded(params, *(arrays[f] for f in (
+            "tokens", "targets", "loss_mask", "segment_ids", "positions", "budgets")))
+        return loss_N.sum(), (count_N.sum(), {k: v.mean() for k, v in stats_N.items()})
+
+    return loss
+
+
+def plan_value_and_grad(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, template: Template) -> Callable:
+    """(params, [per micro-batch arrays], num_targets) -> (loss, grads, stats): the mean token
+    loss over the whole step and its gradient, accumulated over the micro-batches."""
+    check_executable(template, model_cfg)
+    fns = [jax.value_and_grad(microbatch_loss_fn(graphdef, rest, model_cfg, mesh, mb), has_aux=True)
+           for mb in template.microbatches]
+
+    def run(params, mb_arrays, num_targets):
+        total, grads, stats_acc = 0.0, None, {}
+        for fn, arrays in zip(fns, mb_arrays):
+            (loss_sum, (count, stats)), g = fn(params, arrays)
+            total = total + loss_sum
+            grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            for k, v in stats.items():
+                stats_acc.setdefault(k, []).append(v)
+        scale = 1.0 / jnp.maximum(num_targets, 1.0)
+        grads = jax.tree.map(lambda x: x * scale.astype(x.dtype), grads)
+        stats = {k: jnp.mean(jnp.stack(v)) for k, v in stats_acc.items()}
+        return total * scale, grads, stats
+
+    return run
+
+
+def make_planned_train_step(graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, template: Template) -> Callable:
+    value_and_grad = plan_value_and_grad(graphdef, rest, model_cfg, mesh, template)
+
+    def train_step(state, mb_arrays, num_targets):
+        loss, grads, stats = value_and_grad(state["params"], mb_arrays, num_targets)
+        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
+        params = optax.apply_updates(state["params"], updates)
+        new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
+        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": num_targets, **stats}
+
+    return train_step
+
+
+def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mesh: Mesh) -> list[dict]:
+    """Host buffers of every micro-batch, placed on the devices ([N, T] split by rows). With
+    several processes each builds the same host buffers and places only its own devices' rows."""
+    from jaxsb.devices import global_array
+
+    sharding = NamedSharding(mesh, P(AXIS, None))
+    out = []
+    for m in range(len(plan.template.microbatches)):
+        host = layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.top_k)
+        out.append({f: global_array(host[f], sharding) for f in FIELDS})
+    return out
+
+
+class PlanCompiler:
+    """Compiles the planned train step ahead of time, once per plan template, and counts programs."""
+
+    def __init__(self, graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, state_shardings):
+        self._args = (graphdef, rest, tx, model_cfg, mesh)
+        self._state_shardings = state_shardings
+        self._compiled: dict[Template, Any] = {}
+        self.compile_seconds = 0.0
+
+    @property
+    def count(self) -> int:
+        return len(self._compiled)
+
+    def __contains__(self, template: Template) -> bool:
+        return template in self._compiled
+
+    @property
+    def templates(self) -> list[Template]:
+        return list(self._compiled)
+
+    def get(self, template: Template, state, mb_arrays, num_targets) -> tuple[Any, bool]:
+        if template in self._compiled:
+            return self._compiled[template], False
+        t0 = time.perf_counter()
+        step = make_planned_train_step(*self._args, template)
+        jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self._state_shardings, None))
+        self._compiled[template] = jitted.lower(state, mb_arrays, num_targets).compile()
+        self.compile_seconds += time.perf_counter() - t0
+        return self._compiled[template], True
+
+
+def device_loads(plan: Plan, cost_fn: Callable[[Any, list[int], list], float]) -> np.ndarray:
+    """Modelled busy time per device over the step: each device is busy for its group's time in
+    every micro-batch. `cost_fn(group, sharded_lengths, local_lengths_by_rank) -> ms`."""
+    t = plan.template
+    loads = np.zeros(t.num_devices)
+    for m, mb in enumerate(t.microbatches):
+        for g, group in enumerate(mb.groups):
+            sharded, local = plan.sequences_of(m, g)
+            if not sharded and not local:
+                continue
+            ms = cost_fn(group, [plan.lengths[i] for i in sharded],
+                         [[plan.lengths[i] for i in local.get(r, [])] for r in range(group.degree)])
+            loads[group.start:group.start + group.degree] += ms
+    return loads

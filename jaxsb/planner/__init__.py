@@ -1,0 +1,1 @@
+"""Per-step planning: the Plan type, cost models and the planners that produce plans."""

@@ -1,0 +1,552 @@
+"""jaxsb's planner: joint micro-batch and group assignment, fast and deterministic.
+
+FlexSP cuts the sorted batch into contiguous micro-batches (all the long sequences land in the
+first ones) and then solves a MILP per micro-batch. Here the micro-batches are chosen jointly
+with the groups: long sequences are spread over micro-batches and short ones fill around them.
+
+For each micro-batch count M (from the fewest memory allows, a few more, stopping when the
+lower bound for M is already worse than the best plan found):
+
+1. a search over per-micro-batch time targets: bisection on one target T for all micro-batches,
+   then "one heavy micro-batch" targets (the longest sequence's time at each degree, and
+   1.1 / 1.25 / 1.5 / 2 x T) with the other targets bisected. For given targets, `_Context.pack`
+   places sequences longest first: a sequence that cannot run alone on one device within the
+   smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
+   a target — into an existing group of that degree with room (best fit), else into a new group
+   in the micro-batch with the highest target, then the most free devices (when memory is so
+   tight that this fails, existing groups of any degree are tried before new ones, and two
+   groups of degree d may merge into one of 2d to make room); every device left becomes a
+   degree-1 group and the other sequences go longest first onto the least used degree-1 group
+   (time or memory, whichever binds) across all micro-batches, overflowing into the slack of
+   the big groups (smallest degree first);
+2. the batch-adaptive plan (best single degree, static.py) is a candidate too, so jaxsb is never
+   worse than it;
+3. local search on the best packing, on the additive model: the slowest group of the slowest
+   micro-batch gives its longest movable sequence to the group with the most room, in any
+   micro-batch, that takes it without raising that micro-batch's time (in its own micro-batch:
+   staying below the giver), or else swaps it with a shorter one there, until no micro-batch
+   improves or the move budget is spent.
+
+No step depends on the wall clock (`time_limit_s` is only a safety net), so the same input
+always gives the same plan.
+
+The result's time is the cost model's `plan_time_ms`. `lower_bound_ms` is a valid lower bound
+on any plan's time under the additive model (fewest micro-batches x per-group overhead + the
+larger of the least total device-time / N and the longest sequence's least time), so the
+gap to optimal is visible.
+
+Scheme: "ulysses" (default; heterogeneous all-to-all groups, as FlexSP, for the simulator) or
+"ring" (what jaxsb's executor runs for groups of different degrees); with "ring", a micro-batch
+whose groups all have one degree > 1 uses ulysses when the cost model says it is faster (the
+executor runs ulysses for equal groups).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+import itertools
+import math
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jaxsb.planner.flexsp import (LinearCost, finish_plan, pow2_degrees, simple_lower_bound, specs_from_groups)
+from jaxsb.planner.plan import GroupSpec, Plan, PlanError
+
+
+class _Packing:
+    """Micro-batches of groups on the additive model: groups[g] = [mb, j, load, mem, ids]."""
+
+    __slots__ = ("M", "groups", "bt")
+
+    def __init__(self, M, groups, bt):
+        self.M, self.groups, self.bt = M, groups, bt
+
+    def spans(self) -> list[float]:
+        out = [0.0] * self.M
+        for mb, j, load, mem, ids in self.groups:
+            if ids and load > out[mb]:
+                out[mb] = load
+        return out
+
+    def total(self) -> float:
+        return sum(self.spans())
+
+    def as_groups(self):
+        """Per micro-batch [(degree index, ids)], empty groups dropped, empty micro-batches dropped."""
+        out = [[] for _ in range(self.M)]
+        for mb, j, load, mem, ids in self.groups:
+            if ids:
+                out[mb].append((j, list(ids)))
+        return [g for g in out if g]
+
+
+class JaxsbPlanner:
+    """jaxsb's joint planner (see the module docstring).
+
+    Options: `time_limit_s` (a safety net only, default 5 s: the search has fixed, deterministic
+    budgets, ~0.1-0.3 s for 512 sequences on 64 devices on 2 cores; past the limit it stops
+    improving and says so in `last_info`), `scheme` "ulysses" | "ring", `mb_options`
+    (micro-batch counts tried, 4), `degrees` (allowed group degrees, powers of two up to N by
+    default), `search_steps` (bisection steps per target, 14), `moves` (local-search move
+    budget, 4000), `portfolio` (also consider the batch-adaptive plan, True), `align` (buffer
+    alignment for build_plan)."""
+
+    name = "jaxsb"
+
+    def __init__(self, cost, num_devices: int, *, time_limit_s: float = 5.0, scheme: str = "ulysses",
+                 mb_options: int = 4, degrees: Sequence[int] | None = None, search_steps: int = 14,
+                 moves: int = 4000, portfolio: bool = True, align: int = 1, **options):
+        if scheme not in ("ulysses", "ring"):
+            raise ValueError(f"jaxsb: scheme must be 'ulysses' or 'ring', got {scheme!r}")
+        if options:
+            raise TypeError(f"jaxsb: unknown options {sorted(options)}")
+        self.cost = cost
+        self.num_devices = int(num_devices)
+        self.time_limit_s = float(time_limit_s)
+        self.scheme = scheme
+        self.mb_options = max(1, int(mb_options))
+        self.search_steps = int(search_steps)
+        self.moves = int(moves)
+        self.align = int(align)
+        self.portfolio = bool(portfolio)
+        degs = tuple(sorted(set(int(d) for d in degrees))) if degrees else pow2_degrees(self.num_devices)
+        if any(d < 1 or d > self.num_devices for d in degs):
+            raise ValueError(f"jaxsb: degrees {degs} must lie in 1..{self.num_devices}")
+        self.lin = LinearCost(cost, self.num_devices, scheme, degs)
+        self.last_info: dict = {}
+
+    # ------------------------------------------------------------------------------ public
+    def plan(self, lengths: Sequence[int], budgets=None) -> Plan:
+        t0 = time.perf_counter()
+        deadline = t0 + self.time_limit_s
+        lengths = [int(s) for s in lengths]
+        n = len(lengths)
+        if n == 0:
+            raise PlanError("jaxsb: empty batch")
+        lin = self.lin
+        T, Mm = lin.tables(lengths, budgets)
+        fits = lin.fits(Mm)
+        lin.check_fits(lengths, fits)
+        m_min, beyond = simple_lower_bound(T, Mm, fits, lin, lengths, parts=True)
+        overhead = float(lin.base_time.min())
+        lower = m_min * overhead + beyond
+
+        ctx = _Context(lin, T, Mm, fits)
+        best, tried, stopped = None, [], False
+        for M in range(m_min, min(n, m_min + self.mb_options - 1) + 1):
+            if best is not None and M * overhead + beyond >= best.total() - 1e-9:
+                tried.append((M, "pruned: bound above the best"))
+                break
+            if time.perf_counter() > deadline and best is not None:
+                stopped = True
+                break
+            pk = ctx.search(M, self.search_steps)
+            if pk is None:
+                tried.append((M, "infeasible"))
+                continue
+            tried.append((M, round(pk.total(), 1)))
+            if best is None or pk.total() < best.total() - 1e-9:
+                best = pk
+            else:
+                break  # one more micro-batch made it worse: more would not help (overheads add up)
+        if best is None:  # memory or device count too tight for the greedy at every count tried
+            M = m_min + self.mb_options
+            while best is None and M <= n:
+                best = ctx.search(M, self.search_steps)
+                M += 1
+            if best is None:
+                raise PlanError(f"jaxsb: no packing of the {n} sequences found on {self.num_devices} devices")
+        baseline = self._baseline(ctx, lengths, budgets) if self.portfolio else None
+        if baseline is not None:
+            tried.append(("batch-adaptive", round(baseline.total(), 1)))
+            if baseline.total() < best.total() - 1e-9:
+                best = baseline
+        before = best.total()
+        moves_done, stopped_ls = ctx.local_search(best, self.moves, deadline)
+        stopped = stopped or stopped_ls
+        specs = [self._specs(g, lengths, budgets) for g in best.as_groups()]
+        plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name)
+        self.last_info = dict(
+            solve_seconds=time.perf_counter() - t0, fell_back=False,
+            message=(f"jaxsb: {len(specs)} micro-batches (tried {tried}); local search {moves_done} moves, "
+                     f"{before:.1f} -> {best.total():.1f} ms (additive model)"
+                     + ("; time limit reached, search cut short" if stopped else "")),
+            lower_bound_ms=float(lower), microbatches=len(specs), predicted_ms=plan.predicted_ms,
+            time_limit_hit=stopped)
+        return plan
+
+    def _baseline(self, ctx: "_Context", lengths, budgets) -> _Packing | None:
+        """The batch-adaptive plan (best single degree, static.py) as a packing: a candidate, so
+        jaxsb is never worse than it; None if it is unavailable or uses other degrees."""
+        try:
+            from jaxsb.planner.static import BatchAdaptivePlanner
+            plan = BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme,
+                                        degrees=self.lin.degrees).plan(lengths, budgets)
+        except (ImportError, PlanError, TypeError, ValueError):
+            return None
+        index = {d: j for j, d in enumerate(self.lin.degrees)}
+        groups = []
+        for m, mb in enumerate(plan.template.microbatches):
+            for g, grp in enumerate(mb.groups):
+                sharded, local = plan.sequences_of(m, g)
+                if local or grp.degree not in index:
+                    return None
+                j = index[grp.degree]
+                if sharded:
+                    load = ctx.bt[j] + sum(ctx.t[i][j] for i in sharded)
+                    mem = sum(ctx.m[i][j] for i in sharded)
+                    if mem > ctx.cap[j] or not all(ctx.fit[i][j] for i in sharded):
+                        return None
+                else:
+                    load, mem = ctx.bt[j], 0.0
+                groups.append([m, j, load, mem, list(sharded)])
+        return _Packing(len(plan.template.microbatches), groups, ctx.bt)
+
+    def _specs(self, groups, lengths, budgets) -> list[GroupSpec]:
+        specs = specs_from_groups(groups, self.lin, self.scheme)
+        degs = {s.degree for s in specs}
+        d = max(degs)
+        if self.scheme == "ring" and len(degs) == 1 and d > 1 and d * len(specs) == self.num_devices:
+            # equal groups over all devices: the executor can run ulysses; take it if faster
+            def slowest(scheme):
+                return max(self.cost.group_time_ms(d, [lengths[i] for i in s.sharded], scheme=scheme,
+                                                   budgets=None if budgets is None else
+                                                   [int(budgets[i]) for i in s.sharded]) for s in specs)
+            if slowest("ulysses") < slowest("ring"):
+                specs = [dataclasses.replace(s, scheme="ulysses") for s in specs]
+        return specs
+
+
+class _Context:
+    """Per-batch tables as Python lists (fast scalar access) and the search routines."""
+
+    def __init__(self, lin: LinearCost, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray):
+        self.lin = lin
+        self.N = lin.num_devices
+        self.deg = list(lin.degrees)
+        self.nd = len(self.deg)
+        self.bt = [float(x) for x in lin.base_time]
+        self.cap = [float(lin.limit - x) for x in lin.base_mem]
+        self.t = T.tolist()
+        self.m = Mm.tolist()
+        self.fit = fits.tolist()
+        n = len(self.t)
+        self.n = n
+        # longest first: by time alone on one device where it fits, else at its smallest degree
+        key = [next((T[i, j] * lin.degrees[j] for j in range(self.nd) if fits[i, j]), 0.0) for i in range(n)]
+        self.order = sorted(range(n), key=lambda i: (-key[i], i))
+        self.grid = (1.1, 1.25, 1.5, 2.0)
+        self.tol = 1e-3
+        # least device-time of every sequence, and of the per-group overheads, for quick rejections
+        degs = np.asarray(lin.degrees, dtype=np.float64)
+        self.work = float(np.where(fits, T * degs[None, :], np.inf).min(axis=1).sum()) if n else 0.0
+        self.bt_min = float(min(self.bt))
+        self.best_single = [min((self.bt[j] + self.t[i][j] for j in range(self.nd) if self.fit[i][j]))
+                            for i in range(n)]
+
+    # ------------------------------------------------------------------------- packing
+    def pack(self, caps: Sequence[float], reuse: bool = False) -> _Packing | None:
+        """Places every sequence so that each group of micro-batch b ends by caps[b] (additive
+        model), or None when the greedy finds no room (see the module docstring). `reuse`: a long
+        sequence prefers any existing group with room over a new group (tighter in memory)."""
+        passes = ((True, False), (False, True)) if reuse else ((True, True),)
+        M = len(caps)
+        N, deg, bt, cap, t, m, fit = self.N, self.deg, self.bt, self.cap, self.t, self.m, self.fit
+        top, low = max(caps), min(caps)
+        if (sum(caps) - M * self.bt_min) * N < self.work:  # not enough device-time: skip the greedy
+            return None
+        free = [N] * M
+        groups = []
+        by_deg = [[] for _ in range(self.nd)]
+        rest = []
+        single = deg[0] == 1
+        for i in self.order:
+            ti, mi, fi = t[i], m[i], fit[i]
+            if single and fi[0] and bt[0] + ti[0] <= low:
+                rest.append(i)
+                continue
+            placed = False
+            for use_old, use_new in passes:
+                for j in range(self.nd):
+                    if not fi[j] or bt[j] + ti[j] > top:
+                        continue
+                    tij, mij, cj = ti[j], mi[j], cap[j]
+                    if use_old:  # best fit into an existing group of this degree
+                        best, best_slack = None, math.inf
+                        for g in by_deg[j]:
+                            G = groups[g]
+                            slack = caps[G[0]] - G[2] - tij
+                            if 0.0 <= slack < best_slack and G[3] + mij <= cj:
+                                best, best_slack = g, slack
+                        if best is not None:
+                            G = groups[best]
+                            G[2] += tij
+                            G[3] += mij
+                            G[4].append(i)
+                            placed = True
+                            break
+                    if use_new:  # a new group where most room is left under its target, then most devices
+                        need, d = bt[j] + tij, deg[j]
+                        mb, most = -1, None
+                        for b in range(M):
+                            if free[b] >= d and need <= caps[b]:
+                                key = (caps[b], free[b])
+                                if mb < 0 or key > most:
+                                    mb, most = b, key
+                        if mb >= 0:
+                            free[mb] -= d
+                            by_deg[j].append(len(groups))
+                            groups.append([mb, j, need, mij, [i]])
+                            placed = True
+                            break
+                if placed:
+                    break
+            if not placed and not self._merge_for(i, caps, groups, by_deg):
+                return None
+        if rest:
+            if not single:
+                return None
+            for mb in range(M):
+                for _ in range(free[mb]):
+                    by_deg[0].append(len(groups))
+                    groups.append([mb, 0, bt[0], 0.0, []])
+                free[mb] = 0
+            # least used first, in its binding resource: key = max(time used / time allowed,
+            # memory used / memory) — longest-processing-time first across micro-batches
+            c0, b0 = cap[0], bt[0]
+            span = [max(x - b0, 1e-9) for x in caps]
+            heap = [(max((groups[g][2] - b0) / span[groups[g][0]], groups[g][3] / c0), g) for g in by_deg[0]]
+            heapq.heapify(heap)
+            big = [g for j in range(1, self.nd) for g in by_deg[j]]
+            for i in rest:
+                ti, mi = t[i], m[i]
+                t0, m0 = ti[0], mi[0]
+                done = False
+                popped = []
+                while heap and len(popped) < 4:
+                    key, g = heap[0]
+                    G = groups[g]
+                    if G[2] + t0 <= caps[G[0]] and G[3] + m0 <= c0:
+                        G[2] += t0
+                        G[3] += m0
+                        G[4].append(i)
+                        heapq.heapreplace(heap, (max((G[2] - b0) / span[G[0]], G[3] / c0), g))
+                        done = True
+                        break
+                    popped.append(heapq.heappop(heap))
+                for p in popped:
+                    heapq.heappush(heap, p)
+                if done:
+                    continue
+                best = None  # first fit, smallest degree first (cheapest), into the big groups
+                for g in big:
+                    G = groups[g]
+                    j = G[1]
+                    if fit[i][j] and G[2] + ti[j] <= caps[G[0]] and G[3] + mi[j] <= cap[j]:
+                        best = g
+                        break
+                if best is None:
+                    return None
+                G = groups[best]
+                G[2] += ti[G[1]]
+                G[3] += mi[G[1]]
+                G[4].append(i)
+        return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
+
+    def _merge_for(self, i, caps, groups, by_deg) -> bool:
+        """Makes room for sequence i when no group takes it and no devices are free: two groups
+        of degree d in one micro-batch become one group of degree 2d (half the memory per device
+        for their sequences) that also takes i. The merge leaving the most room under the
+        micro-batch's target wins; False if none fits."""
+        t, m, cap, fit, bt, deg = self.t, self.m, self.cap, self.fit, self.bt, self.deg
+        best = None
+        for j in range(self.nd - 1):
+            k = j + 1
+            if deg[k] != 2 * deg[j] or not fit[i][k]:
+                continue
+            need_t, need_m = bt[k] + t[i][k], m[i][k]
+            by_mb: dict = {}
+            for g in by_deg[j]:  # each group's sequences at degree 2d: (time, memory)
+                ids = groups[g][4]
+                if ids and all(fit[x][k] for x in ids):
+                    by_mb.setdefault(groups[g][0], []).append(
+                        (sum(t[x][k] for x in ids), sum(m[x][k] for x in ids), g))
+            for mb, gs in by_mb.items():
+                for (ta, ma, a), (tb, mb_, b) in itertools.combinations(gs, 2):
+                    mem, load = need_m + ma + mb_, need_t + ta + tb
+                    if mem <= cap[k] and load <= caps[mb] and (best is None or load < best[0]):
+                        best = (load, mem, a, b, k, groups[a][4] + groups[b][4])
+            if best is not None:
+                break
+        if best is None:
+            return False
+        load, mem, a, b, k, ids = best
+        for g in (a, b):  # the two groups become one: a holds it, b is emptied and retired
+            by_deg[groups[g][1]].remove(g)
+        groups[a][1:] = [k, load, mem, ids + [i]]
+        by_deg[k].append(a)
+        groups[b][4] = []
+        groups[b][2], groups[b][3] = bt[groups[b][1]], 0.0
+        groups[b][0] = -1  # no longer on any device
+        return True
+
+    def _bisect(self, make_caps, lo: float, hi: float, steps: int, best, reuse: bool = False):
+        """Smallest feasible x in [lo, hi] for caps = make_caps(x) (hi assumed feasible or found by
+        growing it); returns the best packing seen (by its sum of spans) and the x reached."""
+        found = None
+        for _ in range(40):
+            pk = self.pack(make_caps(hi), reuse)
+            if pk is not None:
+                found = pk
+                break
+            lo, hi = hi, hi * 1.5 + 1.0
+        if found is None:
+            return best, None
+        if best is None or found.total() < best.total():
+            best = found
+        for _ in range(steps):
+            if hi - lo <= self.tol * hi:
+                break
+            mid = 0.5 * (lo + hi)
+            pk = self.pack(make_caps(mid), reuse)
+            if pk is None:
+                lo = mid
+            else:
+                hi = mid
+                if pk.total() < best.total():
+                    best = pk
+        return best, hi
+
+    def search(self, M: int, steps: int) -> _Packing | None:
+        """Uniform target first; then one "heavy" micro-batch whose target is set by the longest
+        sequence at each degree (its group can then be smaller and cheaper), the others bisected."""
+        if self.n == 0:
+            return None
+        b0 = min(self.bt)
+        lo = max(max(self.best_single), b0 + self.work / (self.N * M))
+        best, tu = self._bisect(lambda x: [x] * M, lo, lo * 1.1, steps, None)
+        if best is None:  # memory-tight: long sequences share existing groups first
+            best, tu = self._bisect(lambda x: [x] * M, lo, lo * 1.1, steps, None, reuse=True)
+        if best is None or M == 1:
+            return best
+        i0 = self.order[0]
+        heavy = sorted({self.bt[j] + self.t[i0][j] for j in range(self.nd) if self.fit[i0][j]}
+                       | {tu * f for f in self.grid})
+        for th in heavy:
+            if th <= tu * 1.0001:
+                continue
+            x_lo = max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
+            if x_lo >= tu or th + (M - 1) * x_lo >= best.total():
+                continue  # cannot beat the best packing
+            best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, tu, steps, best)
+        return best
+
+    # ---------------------------------------------------------------------- local search
+    def local_search(self, pk: _Packing, budget: int, deadline: float) -> tuple[int, bool]:
+        """Drains each micro-batch's slowest group: moves one of its sequences to the group, in
+        any micro-batch, with the most room (without raising that micro-batch's time, and
+        ending below the drained group's time), the longest such sequence first; when none
+        moves, swaps one of its longest with a shorter sequence of such a group (largest gain).
+        Stops when no micro-batch can be improved or after `budget` moves."""
+        groups, t, m, cap, fit, bt = pk.groups, self.t, self.m, self.cap, self.fit, self.bt
+        M = pk.M
+        members = [[] for _ in range(M)]
+        for g, G in enumerate(groups):
+            members[G[0]].append(g)
+        span = pk.spans()
+        nonempty = [any(groups[g][4] for g in members[b]) for b in range(M)]
+        stuck = [not x for x in nonempty]  # an empty micro-batch has nothing to drain
+        done = 0
+        while done < budget:
+            if done % 64 == 0 and time.perf_counter() > deadline:
+                return done, True
+            a = -1
+            for b in range(M):
+                if not stuck[b] and (a < 0 or span[b] > span[a]):
+                    a = b
+            if a < 0:
+                break
+            g0 = max((g for g in members[a] if groups[g][4]), key=lambda g: (groups[g][2], -g))
+            G0 = groups[g0]
+            j0, load0 = G0[1], G0[2]
+            # destinations by room left under their micro-batch's time (own micro-batch: under load0)
+            room = []
+            for g, G in enumerate(groups):
+                if g == g0:
+                    continue
+                top = load0 if G[0] == a else span[G[0]]
+                base = G[2] if G[4] else bt[G[1]]
+                if top - base > 0:
+                    room.append((top - base, g))
+            room.sort(key=lambda x: (-x[0], x[1]))
+            room = room[:12]
+            move = None
+            for i in sorted(G0[4], key=lambda i: (-t[i][j0], i)):
+                for r, g in room:
+                    G = groups[g]
+                    j = G[1]
+                    if not fit[i][j] or t[i][j] > r or G[3] + m[i][j] > cap[j]:
+                        continue
+                    if G[0] == a and (G[2] if G[4] else bt[j]) + t[i][j] >= load0 - 1e-9:
+                        continue
+                    move = (i, g)
+                    break
+                if move:
+                    break
+            swap = None
+            if move is None:  # swap one of g0's longest with a shorter one of a group with room
+                best_gain = 1e-9
+                for i in sorted(G0[4], key=lambda i: (-t[i][j0], i))[:8]:
+                    for r, g in room:
+                        G = groups[g]
+                        j = G[1]
+                        if not fit[i][j]:
+                            continue
+                        for k in G[4]:
+                            gain = t[i][j0] - t[k][j0]
+                            if gain <= best_gain or not fit[k][j0]:
+                                continue
+                            delta = t[i][j] - t[k][j]
+                            if delta > r or (G[0] == a and G[2] + delta >= load0 - 1e-9):
+                                continue
+                            if G[3] - m[k][j] + m[i][j] > cap[j] or G0[3] - m[i][j0] + m[k][j0] > cap[j0]:
+                                continue
+                            best_gain, swap = gain, (i, g, k)
+                if swap is None:
+                    stuck[a] = True
+                    continue
+            if swap is not None:
+                i, g, k = swap
+                G = groups[g]
+                j = G[1]
+                G0[4].remove(i)
+                G0[4].append(k)
+                G[4].remove(k)
+                G[4].append(i)
+                G0[2] += t[k][j0] - t[i][j0]
+                G0[3] += m[k][j0] - m[i][j0]
+                G[2] += t[i][j] - t[k][j]
+                G[3] += m[i][j] - m[k][j]
+            else:
+                i, g = move
+                G = groups[g]
+                j = G[1]
+                G0[4].remove(i)
+                G0[2] -= t[i][j0]
+                G0[3] -= m[i][j0]
+                if not G0[4]:
+                    G0[2], G0[3] = bt[j0], 0.0
+                if not G[4]:
+                    G[2] = bt[j]
+                G[4].append(i)
+                G[2] += t[i][j]
+                G[3] += m[i][j]
+            done += 1
+            new = max((groups[h][2] for h in members[a] if groups[h][4]), default=0.0)
+            if new < span[a] - 1e-9:
+                span[a] = new
+                stuck = [not any(groups[g][4] for g in members[b]) for b in range(M)]
+        return done, False

@@ -1,0 +1,207 @@
+"""Static baselines: one sequence-parallel degree for the whole step (DeepSpeed-Ulysses /
+Megatron style), and the best such degree chosen per batch.
+
+Both follow the homogeneous-SP baselines of FlexSP's public solver (PKU-DAIR/Hetu-Galvatron,
+branch flexsp, `solve_homo_sp_ffd_bfd_globalbatch`), so their modeled times are the published
+baseline numbers:
+
+1. sequences sorted by decreasing length (ties keep input order) are packed best-fit-decreasing
+   into as many bins as needed, each bin holding at most `fill` (0.9) of what a group of d
+   devices holds in memory (or the longest sequence, if that is more);
+2. consecutive bins become the groups of consecutive micro-batches, N // d groups each;
+3. if the last micro-batch has empty groups, each takes the first (lowest-id) sequence of the
+   nearest earlier group that holds more than one sequence;
+4. for d >= `even_min_degree` (16) in that case, tokens of the last micro-batch are moved from
+   groups above the mean to groups below it, in id order, within the bin capacity.
+
+A step's time is the cost model's: sum over micro-batches of the slowest group.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jaxsb.planner.cost import CostModel, token_capacity
+from jaxsb.planner.plan import GroupSpec, Plan, PlanError, build_plan
+
+
+def power_of_two_degrees(num_devices: int) -> list[int]:
+    out, d = [], 1
+    while d <= num_devices:
+        out.append(d)
+        d *= 2
+    return out
+
+
+def check_fits(cost: CostModel, num_devices: int, lengths: Sequence[int]) -> None:
+    """PlanError for the longest sequence that does not fit even on all devices."""
+    if not len(lengths):
+        return
+    cap = token_capacity(cost, num_devices)
+    longest = max(lengths)
+    if longest > cap:
+        i = list(lengths).index(longest)
+        raise PlanError(f"sequence {i} of length {longest} does not fit even on all {num_devices} devices: "
+                        f"their memory ({cost.memory_limit_mb:.0f} MB each, cost model {cost.name}) holds "
+                        f"{cap} tokens")
+
+
+def best_fit_decreasing(lengths: Sequence[int], capacity: float) -> list[list[int]]:
+    """Bins of sequence ids; each sequence goes to the open bin it fills best, else a new bin."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties in input order
+    bins: list[list[int]] = []
+    remaining = np.zeros(0)
+    for i in order:
+        s = lengths[i]
+        slack = remaining - s
+        ok = np.flatnonzero(slack >= 0)
+        if ok.size:
+            b = int(ok[np.argmin(slack[ok])])
+            remaining[b] -= s
+            bins[b].append(i)
+        else:
+            if s > capacity:
+                raise PlanError(f"sequence {i} of length {s} exceeds the bin capacity {capacity:.0f}")
+            bins.append([i])
+            remaining = np.append(remaining, capacity - s)
+    return bins
+
+
+class StaticPlanner:
+    """One fixed SP degree (`degree`, default all devices) for every micro-batch."""
+
+    name = "static"
+
+    def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
+                 scheme: str = "ulysses", degree: int | None = None, fill: float = 0.9,
+                 even_min_degree: int = 16, **options):
+        if options:
+            raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
+        degree = num_devices if degree is None else int(degree)
+        if not 1 <= degree <= num_devices:
+            raise ValueError(f"degree={degree} must be in [1, num_devices={num_devices}]")
+        if scheme not in ("ulysses", "ring"):
+            raise ValueError(f"scheme={scheme!r} must be 'ulysses' or 'ring'")
+        if not 0 < fill <= 1:
+            raise ValueError(f"fill={fill} must be in (0, 1]")
+        self.cost, self.num_devices, self.degree = cost, int(num_devices), degree
+        self.scheme, self.fill, self.even_min_degree = scheme, float(fill), int(even_min_degree)
+        self.time_limit_s = time_limit_s  # unused: the heuristic takes milliseconds
+        self.last_info: dict = {}
+
+    def groups(self, lengths: Sequence[int]) -> list[list[list[int]]]:
+        """Per micro-batch, per group (N // degree of them): sequence ids."""
+        lengths = [int(n) for n in lengths]
+        d, per_mb = self.degree, self.num_devices // self.degree
+        cap = token_capacity(self.cost, d)
+        if lengths and max(lengths) > cap:
+            i = lengths.index(max(lengths))
+            raise PlanError(f"sequence {i} of length {lengths[i]} does not fit a group of degree {d}: "
+                            f"it holds {cap} tokens (use a larger degree)")
+        if not lengths:
+            return []
+        bin_cap = max(cap * self.fill, max(lengths))
+        bins = best_fit_decreasing(lengths, bin_cap)
+        n_mb = -(-len(bins) // per_mb)
+        empty = n_mb * per_mb - len(bins)
+        bins += [[] for _ in range(empty)]
+        first_empty, last_mb = len(bins) - empty, (n_mb - 1) * per_mb
+        for e in range(first_empty, len(bins)):
+            j = next((j for j in range(first_empty - 1, -1, -1) if len(bins[j]) > 1), None)
+            if j is None:
+                break  # fewer sequences than groups: leave the group empty
+            k = min(bins[j])
+            bins[j].remove(k)
+            bins[e].append(k)
+        if empty and d >= self.even_min_degree:
+            self._even_out(bins[last_mb:], lengths, bin_cap)
+        return [bins[m * per_mb:(m + 1) * per_mb] for m in range(n_mb)]
+
+    @staticmethod
+    def _even_out(groups: list[list[int]], lengths: list[int], bin_cap: float) -> None:
+        """Moves sequences of one micro-batch from groups above the mean token count to later
+        groups below it (FlexSP's even distribution of the last micro-batch)."""
+        tok = [sum(lengths[k] for k in g) for g in groups]
+        avg = sum(tok) // len(groups)
+        for i in range(1, len(groups)):
+            if tok[i] > avg:
+                continue
+            for j in range(i):
+                for k in sorted(groups[j]):
+                    if not (tok[i] < avg and tok[j] > avg and len(groups[j]) > 1):
+                        break
+                    if tok[i] + lengths[k] <= bin_cap:
+                        groups[j].remove(k)
+                        groups[i].append(k)
+                        tok[j] -= lengths[k]
+                        tok[i] += lengths[k]
+
+    def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan:
+        t0 = time.perf_counter()
+        lengths = [int(n) for n in lengths]
+        check_fits(self.cost, self.num_devices, lengths)
+        plan = self._build(self.groups(lengths), lengths, budgets)
+        self.last_info = dict(solve_seconds=time.perf_counter() - t0, fell_back=False,
+                              message=f"degree {self.degree}, {len(plan.template.microbatches)} micro-batches",
+                              degree=self.degree, microbatches=len(plan.template.microbatches))
+        return plan
+
+    def _build(self, mbs, lengths, budgets) -> Plan:
+        specs = [[GroupSpec(self.degree, self.scheme, tuple(sorted(g))) for g in groups] for groups in mbs]
+        plan = build_plan(self.num_devices, specs, lengths, budgets=budgets, planner=self.name)
+        return dataclasses.replace(plan, predicted_ms=float(self.cost.plan_time_ms(plan)))
+
+
+class BatchAdaptivePlanner:
+    """The best single SP degree per batch: every power-of-2 degree (but `skip_degrees`) is
+    planned as StaticPlanner does, and the one with the least modeled time is kept (ties: the
+    smaller degree)."""
+
+    name = "batch-adaptive"
+
+    def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
+                 scheme: str = "ulysses", degrees: Sequence[int] | None = None,
+                 skip_degrees: Sequence[int] = (), fill: float = 0.9, even_min_degree: int = 16,
+                 **options):
+        if options:
+            raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
+        degrees = power_of_two_degrees(num_devices) if degrees is None else sorted(int(d) for d in degrees)
+        degrees = [d for d in degrees if d not in set(int(s) for s in skip_degrees)]
+        if not degrees:
+            raise ValueError("batch-adaptive: no degree left to try")
+        self.cost, self.num_devices, self.degrees = cost, int(num_devices), degrees
+        self.time_limit_s = time_limit_s
+        self._static = [StaticPlanner(cost, num_devices, scheme=scheme, degree=d, fill=fill,
+                                      even_min_degree=even_min_degree) for d in degrees]
+        self.last_info: dict = {}
+
+    def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan:
+        t0 = time.perf_counter()
+        lengths = [int(n) for n in lengths]
+        check_fits(self.cost, self.num_devices, lengths)
+        best, tried = None, {}
+        for planner in self._static:
+            try:
+                mbs = planner.groups(lengths)
+            except PlanError:
+                continue
+            plan = planner._build(mbs, lengths, budgets)
+            tried[planner.degree] = plan.predicted_ms
+            if best is None or plan.predicted_ms < best.predicted_ms:
+                best = plan
+        if best is None:
+            raise PlanError(f"batch-adaptive: no degree in {self.degrees} fits the longest sequence "
+                            f"({max(lengths)} tokens; a group of {self.degrees[-1]} holds "
+                            f"{token_capacity(self.cost, self.degrees[-1])})")
+        best = dataclasses.replace(best, planner=self.name)
+        degree = best.template.microbatches[0].groups[0].degree
+        self.last_info = dict(solve_seconds=time.perf_counter() - t0, fell_back=False,
+                              message=f"degree {degree} of {sorted(tried)}, "
+                                      f"{len(best.template.microbatches)} micro-batches",
+                              degree=degree, microbatches=len(best.template.microbatches),
+                              tried_ms=tried)
+        return best
