@@ -29,8 +29,8 @@ def rows_run(tmp_path_factory):
     return _run(tmp_path_factory.mktemp("rows"), "rows", "parallel.planner=none")
 
 
+# static = rows is also checked across processes (tests/test_multiprocess.py)
 @pytest.mark.parametrize("planner, extra", [
-    ("static", ["parallel.sp_degree=8"]),
     ("skrull", ["parallel.cp=4"]),
     ("jaxsb", []),
 ])
