@@ -73,7 +73,8 @@ class StepPlanner:
         self.cost = load_cost_model(cfg.parallel.preset, num_devices, cfg.data.max_len)
         p = cfg.parallel
         self.scheme = p.scheme
-        options: dict = {"time_limit_s": p.plan_time_limit_s, "scheme": self.scheme}
+        # align: with sparse attention every sequence starts on a block boundary (routing is per block)
+        options: dict = {"time_limit_s": p.plan_time_limit_s, "scheme": self.scheme, "align": self.align}
         if p.planner == "static":
             options["degree"] = p.sp_degree or num_devices
         if p.planner == "skrull":
@@ -89,8 +90,6 @@ class StepPlanner:
         t0 = time.perf_counter()
         plan = self.planner.plan(lengths, budgets)
         solve_s = time.perf_counter() - t0
-        if self.align != 1:  # the planner sized buffers for unaligned sequences
-            plan = rebuild_aligned(plan, self.align)
         return PlannedBatch(batch, seqs, plan, solve_s, dict(getattr(self.planner, "last_info", {}) or {}))
 
     def fallback(self, plan: Plan) -> Plan:
@@ -99,21 +98,6 @@ class StepPlanner:
         n, N = len(plan.lengths), self.num_devices
         return build_plan(N, [[GroupSpec(N, "ring", tuple(range(n)))]], plan.lengths,
                           budgets=plan.budgets, align=self.align, planner="fallback")
-
-
-def rebuild_aligned(plan: Plan, align: int) -> Plan:
-    """The same placements with buffers sized for sequences padded to `align` tokens."""
-    specs = []
-    for m, mb in enumerate(plan.template.microbatches):
-        groups = []
-        for g, group in enumerate(mb.groups):
-            sharded, local = plan.sequences_of(m, g)
-            groups.append(GroupSpec(group.degree, group.scheme, tuple(sharded),
-                                    tuple(tuple(local.get(r, ())) for r in range(group.degree))
-                                    if group.degree > 1 else ()))
-        specs.append(groups)
-    return build_plan(plan.template.num_devices, specs, plan.lengths, budgets=plan.budgets, align=align,
-                      planner=plan.planner, predicted_ms=plan.predicted_ms)
 
 
 def widen(plan: Plan, templates: Sequence[Template]) -> Plan | None:

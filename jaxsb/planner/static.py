@@ -78,7 +78,7 @@ class StaticPlanner:
 
     def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
                  scheme: str = "ulysses", degree: int | None = None, fill: float = 0.9,
-                 even_min_degree: int = 16, **options):
+                 even_min_degree: int = 16, align: int = 1, **options):
         if options:
             raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
         degree = num_devices if degree is None else int(degree)
@@ -90,6 +90,7 @@ class StaticPlanner:
             raise ValueError(f"fill={fill} must be in (0, 1]")
         self.cost, self.num_devices, self.degree = cost, int(num_devices), degree
         self.scheme, self.fill, self.even_min_degree = scheme, float(fill), int(even_min_degree)
+        self.align = int(align)  # buffer alignment for build_plan (the sparse block size)
         self.time_limit_s = time_limit_s  # unused: the heuristic takes milliseconds
         self.last_info: dict = {}
 
@@ -152,7 +153,7 @@ class StaticPlanner:
 
     def _build(self, mbs, lengths, budgets) -> Plan:
         specs = [[GroupSpec(self.degree, self.scheme, tuple(sorted(g))) for g in groups] for groups in mbs]
-        plan = build_plan(self.num_devices, specs, lengths, budgets=budgets, planner=self.name)
+        plan = build_plan(self.num_devices, specs, lengths, budgets=budgets, align=self.align, planner=self.name)
         return dataclasses.replace(plan, predicted_ms=float(self.cost.plan_time_ms(plan)))
 
 
@@ -166,7 +167,7 @@ class BatchAdaptivePlanner:
     def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
                  scheme: str = "ulysses", degrees: Sequence[int] | None = None,
                  skip_degrees: Sequence[int] = (), fill: float = 0.9, even_min_degree: int = 16,
-                 **options):
+                 align: int = 1, **options):
         if options:
             raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
         degrees = power_of_two_degrees(num_devices) if degrees is None else sorted(int(d) for d in degrees)
@@ -176,7 +177,7 @@ class BatchAdaptivePlanner:
         self.cost, self.num_devices, self.degrees = cost, int(num_devices), degrees
         self.time_limit_s = time_limit_s
         self._static = [StaticPlanner(cost, num_devices, scheme=scheme, degree=d, fill=fill,
-                                      even_min_degree=even_min_degree) for d in degrees]
+                                      even_min_degree=even_min_degree, align=align) for d in degrees]
         self.last_info: dict = {}
 
     def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan:
