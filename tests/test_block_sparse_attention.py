@@ -222,3 +222,126 @@ def test_argument_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
         block_sparse_attention(**args)
     assert message in str(info.value)
+
+
+# ----------------------------------------------------------------------------- per-block work
+# The XLA kernel sorts query blocks by their own count, runs groups of `group_size` of them
+# for as many slot steps as the group's largest count, and skips the mask on steps where every
+# pair is strictly below the diagonal inside one document (xla.Meta.full).
+
+
+def _per_block_counts(B, K, nq, M, seed):
+    """Lists as _random_blocks, but every query block its own count in [0, min(n + 1, M)]
+    (0: the block sees nothing), so counts differ inside one row and one kv head."""
+    idx, _ = _random_blocks(B, K, nq, M, [M] * B, seed=seed)
+    rng = np.random.default_rng(seed + 100)
+    cap = np.minimum(np.arange(nq) + 1, M)
+    counts = rng.integers(0, cap + 1, size=(B, K, nq)).astype(np.int32)
+    counts[..., -1] = cap[-1]  # the largest count sits last: sorting must move it
+    return idx, jnp.asarray(counts)
+
+
+@pytest.mark.parametrize("group_size", [1, 3, 4, 100], ids=lambda g: f"group{g}")
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+def test_per_query_block_counts_match_reference(group_size, dtype):
+    """Counts that differ per query block inside a row (zeros included), every grouping
+    (1 = each block its own trip count; 3 does not divide nq = 10, so the last group holds
+    filler blocks; 100 = one group, max-count steps for all): forward and dq/dk/dv."""
+    from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
+
+    T, bs, B, H, K, D, M = T_MAIN, 8, 2, 4, 2, 16, 6
+    nq = -(-T // bs)
+    q, k, v = _inputs(B, T, H, K, D, dtype, seed=20)
+    seg = _segments(T, SEG_MAIN)
+    idx, counts = _per_block_counts(B, K, nq, M, seed=21)
+    assert len({int(c) for c in np.asarray(counts[0, 0])}) > 2
+    got = _out_and_vjp(
+        lambda q, k, v: block_sparse_attention_xla(q, k, v, idx, counts, seg, bs, group_size),
+        (q, k, v),
+    )
+    want = _out_and_vjp(
+        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg, bs, "reference"), (q, k, v)
+    )
+    _assert_close(*got, *want, dtype)
+
+
+def test_trip_counts_follow_each_query_blocks_count():
+    """Groups of sorted blocks: a group's trip is its largest count, so a row whose counts are
+    mostly small runs far fewer steps than max(counts) x blocks; the metadata is exact."""
+    from kernels_pallas.block_sparse_attention import xla
+
+    B, K, nq, M, bs = 1, 2, 12, 12, 8
+    counts = np.ones((B, K, nq), np.int32)
+    counts[0, 0, 11], counts[0, 1, 5] = 12, 6  # one long list per kv head
+    idx = np.broadcast_to(np.arange(M)[::-1], (B, K, nq, M)).astype(np.int32)
+    idx = np.where(np.arange(M) < counts[..., None], np.arange(nq)[:, None] - np.arange(M), idx)
+    plan = xla.make_plan(B, nq * bs, 4, K, bs, gq=4)
+    meta = xla._metadata(jnp.asarray(idx), jnp.asarray(counts), jnp.ones((B, nq * bs), jnp.int32), plan)
+    assert np.asarray(meta.trip).tolist() == [12, 1, 1]  # not 3 x 12
+    assert np.asarray(meta.perm)[0, 0, 0] == 11 and np.asarray(meta.perm)[0, 1, 0] == 5
+    cnt = np.asarray(meta.cnt)
+    assert np.all(np.diff(cnt, axis=-1) <= 0) and cnt[0, 0, 0] == 12 and cnt[0, 1, 0] == 6
+    # lists come back clean: ascending valid blocks, then the filler nb
+    lst = np.asarray(meta.lst)[0, 1, 0]
+    assert lst.tolist() == [0, 1, 2, 3, 4, 5] + [nq] * 6
+
+
+def test_unmasked_steps_are_exact():
+    """One document, lists of strictly earlier blocks plus the diagonal, counts that make
+    whole groups equal: most steps take the no-mask path (Meta.full), the diagonal and the
+    mixed groups the masked one; both agree with the reference, forward and gradients."""
+    from kernels_pallas.block_sparse_attention import xla
+
+    T, bs, B, H, K, D = 96, 8, 1, 4, 2, 16
+    nq = T // bs
+    q, k, v = _inputs(B, T, H, K, D, jnp.float32, seed=22)
+    seg = jnp.ones((B, T), jnp.int32)
+    n = np.arange(nq)[:, None]
+    idx = np.broadcast_to(np.maximum(n - np.arange(4), 0), (B, K, nq, 4)).astype(np.int32)
+    counts = np.broadcast_to(np.minimum(np.arange(nq) + 1, 4), (B, K, nq)).astype(np.int32)
+    idx, counts = jnp.asarray(idx), jnp.asarray(counts)
+    meta = xla._metadata(idx, counts, seg, xla.make_plan(B, T, H, K, bs, gq=3))
+    full = np.asarray(meta.full)  # [groups, slots]
+    assert full[:3, :3].all() and not full[:, 3].any() and not full[3].any()
+    f = lambda impl: _out_and_vjp(
+        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg, bs, impl), (q, k, v)
+    )
+    got = _out_and_vjp(
+        lambda q, k, v: xla.block_sparse_attention_xla(q, k, v, idx, counts, seg, bs, 3), (q, k, v)
+    )
+    _assert_close(*got, *f("reference"), jnp.float32)
+    # a second document starting inside block 5 makes every step that touches it masked
+    seg2 = jnp.asarray(np.where(np.arange(T) < 44, 1, 2)[None], jnp.int32)
+    meta2 = xla._metadata(idx, counts, seg2, xla.make_plan(B, T, H, K, bs, gq=3))
+    assert np.asarray(meta2.full).sum() < full.sum()
+    got2 = _out_and_vjp(
+        lambda q, k, v: xla.block_sparse_attention_xla(q, k, v, idx, counts, seg2, bs, 3), (q, k, v)
+    )
+    want2 = _out_and_vjp(
+        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg2, bs, "reference"), (q, k, v)
+    )
+    _assert_close(*got2, *want2, jnp.float32)
+
+
+def test_slots_past_a_blocks_own_count_read_nothing():
+    """In one group, query block 7 lists block 6 (valid) while query block 6 lists block 5
+    past its count; NaN in block 5's values must not reach block 6's rows, although the group
+    runs two steps for both: slots past a block's count read the zero filler block."""
+    from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
+
+    T, bs, B, H, K, D = 64, 8, 1, 4, 2, 8
+    nq = T // bs
+    q, k, v = _inputs(B, T, H, K, D, jnp.float32, seed=23)
+    idx = np.zeros((B, K, nq, 2), np.int32)
+    idx[..., 0] = np.arange(nq)
+    idx[..., 1] = np.maximum(np.arange(nq) - 1, 0)
+    counts = np.ones((B, K, nq), np.int32)
+    counts[..., 7] = 2
+    v_nan = v.at[:, 40:48].set(jnp.nan)  # block 5: selected only by itself (its diagonal)
+    f = lambda v: block_sparse_attention_xla(q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, nq)
+    out = np.asarray(f(v_nan))
+    keep = np.ones(T, bool)
+    keep[40:48] = False
+    assert np.all(np.isfinite(out[:, keep])), "a slot past its block's count read a listed block"
+    want = block_sparse_attention(q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, "reference")
+    np.testing.assert_allclose(f(v), want, **tol("attention_out", jnp.float32))

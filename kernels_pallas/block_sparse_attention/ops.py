@@ -1,8 +1,9 @@
 """Public entry point: `block_sparse_attention` checks its arguments and dispatches.
 
 implementation:
-  "xla"       slot-looped gather attention with a recomputing custom_vjp (xla.py); its work
-              follows max(block_counts), not the static list length;
+  "xla"       gather attention over groups of query blocks sorted by count, with a
+              recomputing custom_vjp (xla.py); its work follows each query block's own count
+              (up to the spread inside a group), not max(block_counts) nor the list length;
   "pallas"    Pallas kernels (pallas.py): forward / dQ / dK,dV, each program's loop follows its
               own block count;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
