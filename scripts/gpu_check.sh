@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # Accelerator check for the Pallas kernels (cannot run on a CPU-only machine):
 #   1. the kernel test suites compiled for the device (TestFlashAttentionPallasCompiled,
-#      TestBlockSparseAttentionPallasCompiled) and, for comparison, the same assertions
-#      through the interpreter;
+#      TestBlockSparseAttentionPallasCompiled, TestRingChunkPallasCompiled: the ring's chunk
+#      kernels and a ring over the devices at hand under shard_map(check_vma=True)) and, for
+#      comparison, the same assertions through the interpreter (the 8-device ring tests skip
+#      unless the machine has 8 devices);
 #   2. a small timing table: pallas vs xla vs jax.nn.dot_product_attention, causal, bf16,
 #      forward and forward+backward (best of a few runs, after one compile run), plus
-#      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks.
+#      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks, plus
+#      the ring's chunk op (pallas vs xla; one local chunk holding one document = causal).
 # Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
 # Environment: PYTHON (default .venv/bin/python), HEADS (8), KV_HEADS (2), HEAD_DIM (128),
 # BLOCK_Q (128), BLOCK_K (64), REPEATS (5), SPARSE_BLOCK (block-sparse block size, 64).
@@ -28,10 +31,10 @@ assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
 
 echo "== compiled kernels =="
 "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-  tests/test_block_sparse_attention_pallas.py -k "Compiled" -rs
+  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py -k "Compiled" -rs
 echo "== same suites, interpreted, on the device backend =="
 "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-  tests/test_block_sparse_attention_pallas.py -k "not Compiled"
+  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py -k "not Compiled"
 
 echo "== timing (seconds, best of ${REPEATS:-5}) =="
 HEADS="${HEADS:-8}" KV_HEADS="${KV_HEADS:-2}" HEAD_DIM="${HEAD_DIM:-128}" \
@@ -50,6 +53,7 @@ import numpy as np
 
 from kernels_pallas.block_sparse_attention import block_sparse_attention
 from kernels_pallas.flash_attention import flash_attention
+from kernels_pallas.flash_attention.chunk import attention_chunk
 
 H, K, D = (int(os.environ[n]) for n in ("HEADS", "KV_HEADS", "HEAD_DIM"))
 bq, bk, repeats = (int(os.environ[n]) for n in ("BLOCK_Q", "BLOCK_K", "REPEATS"))
@@ -73,6 +77,17 @@ def sdpa(q, k, v, seg):
 def impl(name):
     def f(q, k, v, seg):
         return flash_attention(q, k, v, seg, True, name, block_q=bq, block_k=bk)
+
+    return f
+
+
+def chunk(name):
+    """The ring's chunk op on one local chunk: per-token (segment id, position) mask."""
+
+    def f(q, k, v, seg):
+        pos = jnp.broadcast_to(jnp.arange(seg.shape[1], dtype=jnp.int32), seg.shape)
+        return attention_chunk(q, k, v, seg, pos, seg, pos, local=True, implementation=name,
+                               block_q=bq, block_k=bk)[0]
 
     return f
 
@@ -107,6 +122,7 @@ for T in map(int, sys.argv[1:]):
     seg = jnp.ones((1, T), jnp.int32)
     rows = [("pallas", impl("pallas")), ("xla", impl("xla")),
             ("jax.nn.dot_product_attention", sdpa)]
+    rows += [("ring-chunk-pallas", chunk("pallas")), ("ring-chunk-xla", chunk("xla"))]
     for label, density in (("1/8", 1 / 8), ("1/4", 1 / 4)):
         for name in ("pallas", "xla"):
             rows.append((f"sparse-{name} {label} b{sbs}", sparse(name, density, T)))

@@ -18,6 +18,20 @@ def segments(T, docs_per_row):
     return jnp.asarray(seg)
 
 
+def packed_stream(length, docs):
+    """seg, pos [length] int32: documents of the given lengths (ids 1, 2, ...) one after the
+    other, each with its own positions from 0, then padding (id 0, position 0)."""
+    seg = np.zeros(length, np.int32)
+    pos = np.zeros(length, np.int32)
+    start = 0
+    for i, n in enumerate(docs):
+        seg[start:start + n] = i + 1
+        pos[start:start + n] = np.arange(n)
+        start += n
+    assert start <= length, (length, docs)
+    return seg, pos
+
+
 def random_qkv(B, T, H, K, D, dtype, seed=0):
     """q [B,T,H,D], k and v [B,T,K,D], standard normal."""
     rng = np.random.default_rng(seed)

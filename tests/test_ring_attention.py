@@ -24,6 +24,7 @@ except ImportError:  # older jax
 from jaxsb.parallel.ring import (FULL, PARTIAL, SKIP, block_kinds, check_groups, ring_attention,
                                  ring_block_counts, zigzag_layout)
 from kernels_pallas.flash_attention.reference import attention_reference
+from attention_inputs import packed_stream
 from tolerances import tol
 
 N = 8
@@ -50,14 +51,7 @@ def _stream(length, rng, row):
     docs[-1] -= sum(docs) - room
     docs = [n for n in docs if n > 0]
     docs = [docs[i] for i in rng.permutation(len(docs))]
-    seg = np.zeros(length, np.int32)
-    pos = np.zeros(length, np.int32)
-    start = 0
-    for i, n in enumerate(docs):
-        seg[start : start + n] = i + 1
-        pos[start : start + n] = np.arange(n)
-        start += n
-    return seg, pos
+    return packed_stream(length, docs)
 
 
 def _problem(degrees, B, seed, shuffle=False):

@@ -8,9 +8,11 @@ sequence-parallel attention:
 
   * ring micro-batches (groups of any degrees side by side, degree-1 groups included) run on
     the 1-D mesh: `jaxsb.parallel.ring.ring_attention` with one `ppermute` per round whose
-    permutation is the union of the groups' cycles (`ring_sparse.ring_sparse_attention` for
-    routed block-sparse attention: pooled key blocks go round first, then only the selected
-    blocks of each visiting K/V shard are computed);
+    permutation is the union of the groups' cycles; each round is one call of the chunk op
+    (kernels_pallas/flash_attention/chunk.py): its Pallas kernels on GPU with
+    `model.attention=flash`, its XLA version otherwise (`ring_sparse.ring_sparse_attention`
+    for routed block-sparse attention: pooled key blocks go round first, then only the
+    selected blocks of each visiting K/V shard are computed);
   * ulysses micro-batches (every group of one degree d) run on the same devices viewed as a
     (N/d, d) mesh: `jaxsb.parallel.ulysses.ulysses_attention` (all-to-all over "sp");
   * local micro-batches (all groups of degree 1) need no communication;
@@ -28,7 +30,6 @@ arrays, so a new step with a known template does not compile.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable, Sequence
 
 import jax
@@ -45,6 +46,7 @@ from jaxsb.models.loss import next_token_loss
 from jaxsb.models.stats import pop_layer_stats
 from jaxsb.parallel.layout import FIELDS, SeqData, layout_microbatch
 from jaxsb.planner.plan import MicroBatch, Plan, Template, executable_problem
+from jaxsb.programs import ProgramCache
 
 SP_AXIS, GROUPS_AXIS = "sp", "groups"
 
@@ -117,8 +119,10 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             from jaxsb.parallel.ring import ring_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
+            # model.attention=flash: the Pallas chunk kernels on GPU (XLA elsewhere), as `attend`
+            impl = "auto" if model_cfg.attention == "flash" else "xla"
             out = ring_attention(qa, ka, va, sa, pos_BxT[:, :S], axis_name=AXIS, groups=groups,
-                                 block=model_cfg.attention_block)
+                                 block=model_cfg.attention_block, implementation=impl)
         elif mb.scheme == "ulysses":
             from jaxsb.parallel.ulysses import ulysses_attention
 
@@ -218,35 +222,20 @@ def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mes
     return out
 
 
-class PlanCompiler:
+class PlanCompiler(ProgramCache):
     """Compiles the planned train step ahead of time, once per plan template, and counts programs."""
 
     def __init__(self, graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, state_shardings):
+        super().__init__()
         self._args = (graphdef, rest, tx, model_cfg, mesh)
         self._state_shardings = state_shardings
-        self._compiled: dict[Template, Any] = {}
-        self.compile_seconds = 0.0
-
-    @property
-    def count(self) -> int:
-        return len(self._compiled)
-
-    def __contains__(self, template: Template) -> bool:
-        return template in self._compiled
-
-    @property
-    def templates(self) -> list[Template]:
-        return list(self._compiled)
 
     def get(self, template: Template, state, mb_arrays, num_targets) -> tuple[Any, bool]:
-        if template in self._compiled:
-            return self._compiled[template], False
-        t0 = time.perf_counter()
-        step = make_planned_train_step(*self._args, template)
-        jitted = jax.jit(step, donate_argnums=(0,), out_shardings=(self._state_shardings, None))
-        self._compiled[template] = jitted.lower(state, mb_arrays, num_targets).compile()
-        self.compile_seconds += time.perf_counter() - t0
-        return self._compiled[template], True
+        def make_jitted():
+            step = make_planned_train_step(*self._args, template)
+            return jax.jit(step, donate_argnums=(0,), out_shardings=(self._state_shardings, None))
+
+        return self.get_or_compile(template, make_jitted, state, mb_arrays, num_targets)
 
 
 def device_loads(plan: Plan, cost_fn: Callable[[Any, list[int], list], float]) -> np.ndarray:

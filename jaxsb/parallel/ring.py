@@ -7,61 +7,75 @@ attends a key iff both are in the same group, seg_q == seg_k and pos_k <= pos_q.
 depends on where a token sits, so the caller is free to balance work with a zigzag layout
 (`zigzag_layout`).
 
+The ring algorithm is written once; the work of one round, attention of the device's query
+shard to the visiting key/value shard, is one call of the chunk op
+`kernels_pallas.flash_attention.chunk` (`chunk_forward` / `chunk_backward`, called through
+`forward_with_plan` / `backward_with_plan` with the implementation resolved once), whose
+`implementation` is "xla" (blocked jnp + lax loops, any backend) or "pallas" (Pallas kernels:
+Triton on GPU, the interpreter on a CPU host); ring_attention's "auto" is Pallas on GPU and
+XLA elsewhere (kernels_pallas.common.resolve_implementation).
+
 Forward. In round r = 0 .. max_degree-1 a device attends its q shard to the kv shard of ring
 rank (rank - r) mod degree, round 0 being its own. While it computes, one `lax.ppermute`
 (the union of one cycle per ring that has a round r+1; the other rings are left out and send
 nothing) already moves the kv shards one step on, so the transfer can overlap the compute.
-The online softmax (running max m, sum l, accumulator acc, all float32) simply continues
-across rounds; the forward saves the per-query log-sum-exp.
+Each round's chunk returns its own output and log-sum-exp (float32); `merge_chunks` folds it
+into the running (out, lse), which is the softmax over all keys seen so far. The forward
+saves the final lse.
 
 Backward (`jax.custom_vjp`, FlashAttention-2 style). The kv shards make the same trip again;
-each round a device adds its queries' contribution to its own dQ and to the visiting shard's
-float32 dK|dV accumulator, recomputing the probabilities from q, k and the saved
-log-sum-exp, then passes the accumulator on (a second ppermute per round, after the compute
-that updates it). A ring of degree d passes it d times, which brings it back to its owner.
+each round `chunk_backward` recomputes the probabilities from q, k and the saved global lse
+and delta = rowsum(dO * O), a device adds the dQ part to its own float32 dQ and the dK|dV part
+to the visiting shard's float32 dK|dV accumulator, then passes the accumulator on (a second
+ppermute per round, after the compute that updates it). A ring of degree d passes it d times,
+which brings it back to its owner.
 
-A device whose ring has no round r is idle: its block table is forced to SKIP and it keeps its
-accumulator; no collective sits under a conditional. Rounds with the same permutations run as
-one `lax.scan`, so compile time grows with the number of distinct degrees, not max_degree.
-Buffers per round: k|v packed [B,T,2K,D] in the input dtype with (seg, pos) packed [B,T,2]
-in one ppermute call, and dK|dV packed (float32) in the other.
+A device whose ring has no round r is idle: it calls the chunk with active=False (every block
+pair SKIP, nothing added) and keeps its accumulator; no collective sits under a conditional.
+Rounds with the same permutations run as one `lax.scan`, so compile time grows with the
+number of distinct degrees, not max_degree. Buffers per round: k|v packed [B,T,2K,D] in the
+input dtype with (seg, pos) packed [B,T,2] in one ppermute call, and dK|dV packed (float32)
+in the other.
 
-Inside one (q shard, kv shard) pair the work is blocked (`block` tokens per block) and each
-(query block, key block) pair is classified from per-block summaries as
-  SKIP    no allowed entry between real tokens: real (id > 0) segment ranges disjoint, or
-          every real key after every real query (min pos_k > max pos_q);
-  FULL    every entry allowed (one segment id on both sides, max pos_k <= min pos_q);
-  PARTIAL otherwise (the exact (seg, pos) mask is applied).
-Padding (id 0) is kept out of the ranges (it would make every block look reachable). A
-padding query only needs a finite output, so padding pairs count only on the diagonal of the
-local shard (round 0), where each padding query meets at least itself: padding costs
-O(T * block), not O(T^2). Ranges are conservative but tight for packed documents whose blocks
-hold contiguous position runs, which is what makes the zigzag layout balanced
-(`ring_block_counts` counts the non-skipped pairs of a device, for tests and planning).
+Inside one round the chunk op blocks its inputs and classifies each (query block, key block)
+pair from per-block (segment id, position) ranges as SKIP / FULL / PARTIAL
+(kernels_pallas/flash_attention/chunk_tables.py): skipped pairs are never computed, FULL
+pairs need no mask. Padding (id 0) is kept out of the ranges; a padding query only needs a
+finite output, so padding pairs count only in round 0 where the two blocks share tokens:
+padding costs O(T * block), not O(T^2). Ranges are conservative but tight for packed documents
+whose blocks hold contiguous position runs, which is what makes the zigzag layout balanced
+(`ring_block_counts` counts the non-skipped pairs of a device under the XLA blocking).
 
-T need not be a multiple of `block`: the shard is padded with fill tokens whose segment ids
+T need not be a multiple of `block`: the chunk op pads with fill tokens whose segment ids
 (-1 for queries, -2 for keys) match nothing.
 
-Layouts inside: q blocks [nq, B, K, G, bq, D] (query head h = kv_head * G + g), k/v blocks
-[nk, B, K, bk, D]; all arithmetic float32, results cast back to the input dtypes.
+Pallas under shard_map: compiled kernels carry the inputs' varying mesh axes on their
+out_shapes (check_vma=True works); JAX 0.10's Pallas interpreter does not track them, so an
+interpreted ring (implementation="pallas" on a CPU host) needs shard_map(check_vma=False), as
+the executor uses, and says so otherwise.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from kernels_pallas.common import HI, NEG, check_qkv
+from kernels_pallas.common import NEG, check_qkv
+from kernels_pallas.flash_attention import chunk_tables as tables
+from kernels_pallas.flash_attention.chunk import (backward_with_plan,
+                                                  check_interpreter_outside_vma,
+                                                  forward_with_plan, merge_chunks,
+                                                  resolve_chunk_implementation)
+from kernels_pallas.flash_attention.chunk_tables import (FULL, PARTIAL, SKIP, ChunkPlan,
+                                                         make_chunk_plan)
 
-SKIP, FULL, PARTIAL = 0, 1, 2
-_Q_FILL, _K_FILL = -1, -2  # segment ids of the padding added up to whole blocks
-_BIG = np.iinfo(np.int32).max
+__all__ = ["FULL", "PARTIAL", "SKIP", "RingConfig", "block_kinds", "check_groups",
+           "ring_attention", "ring_block_counts", "zigzag_layout"]
 
 
 # ----------------------------------------------------------------------------- layout
@@ -87,11 +101,14 @@ def zigzag_layout(num_tokens: int, degree: int) -> np.ndarray:
 
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
-    """Static description of one call: the mesh axis, its groups and the block size."""
+    """Static description of one call: the mesh axis, its groups, the block size and the
+    chunk implementation ("xla" | "pallas", already resolved; `interpret` for Pallas)."""
 
     axis_name: str
     groups: tuple[tuple[int, int], ...]
     block: int
+    implementation: str = "xla"
+    interpret: bool = False
 
     @property
     def max_degree(self) -> int:
@@ -161,201 +178,34 @@ def _full(ref, shape, value=0.0):
     return lax.full_like(ref, value, jnp.float32, shape)
 
 
-# ----------------------------------------------------------------------------- blocks
+# ----------------------------------------------------------------------------- block tables
 
 
-def _pad_t(x, n, value):
-    if x.shape[1] == n:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, n - x.shape[1])
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _summaries(seg_NxBxb, pos_NxBxb):
-    """Per block and row: real (id > 0) segment range, real position range, has padding,
-    and the raw segment / position extremes (for FULL)."""
-    real = seg_NxBxb > 0
-    return dict(
-        slo=jnp.where(real, seg_NxBxb, _BIG).min(-1),
-        shi=jnp.where(real, seg_NxBxb, -_BIG).max(-1),
-        plo=jnp.where(real, pos_NxBxb, _BIG).min(-1),
-        phi=jnp.where(real, pos_NxBxb, -_BIG).max(-1),
-        pad=(seg_NxBxb == 0).any(-1),
-        smin=seg_NxBxb.min(-1),
-        smax=seg_NxBxb.max(-1),
-        pmin=pos_NxBxb.min(-1),
-        pmax=pos_NxBxb.max(-1),
-    )
+def _ids_tokens(x_nxBxb):
+    """Blocked [n, B, b] -> [B, n * b]."""
+    n, B, b = x_nxBxb.shape
+    return x_nxBxb.transpose(1, 0, 2).reshape(B, n * b)
 
 
 def block_kinds(seg_q, pos_q, seg_k, pos_k, local: bool = True) -> jax.Array:
-    """[nq, nk] int32 SKIP / FULL / PARTIAL for blocked [n, B, b] query and key ids/positions.
+    """[nq, nk] int32 SKIP / FULL / PARTIAL for blocked [n, B, b] query and key ids/positions,
+    shared by the batch as the XLA chunk uses it (chunk_tables.shared_kinds).
 
-    SKIP needs every row to be empty, FULL every row to be full (the table is shared by the
-    batch). Conservative for real tokens: SKIP implies no allowed entry with id > 0 (such a
-    pair has equal ids inside both ranges and min pos_k <= pos_k <= pos_q <= max pos_q); FULL
-    implies every entry allowed. Padding queries only need some key (their outputs are
-    ignored): padding pairs count only on the diagonal of the local shard (`local`, the same
-    tokens on both sides), where every padding query meets itself, so padding costs
-    O(T * block) instead of O(T^2) per group.
+    SKIP needs every row to be empty, FULL every row to be full. Conservative for real tokens:
+    SKIP implies no allowed entry with id > 0 (such a pair has equal ids inside both ranges and
+    min pos_k <= pos_k <= pos_q <= max pos_q); FULL implies every entry allowed. Padding
+    queries only need some key: padding pairs count only on the diagonal of the local shard
+    (`local`, the same tokens on both sides), where every padding query meets itself.
     """
-    q = {n: x[:, None] for n, x in _summaries(seg_q, pos_q).items()}  # [nq, 1, B]
-    k = {n: x[None, :] for n, x in _summaries(seg_k, pos_k).items()}  # [1, nk, B]
-    real = (jnp.maximum(q["slo"], k["slo"]) <= jnp.minimum(q["shi"], k["shi"])) & (
-        k["plo"] <= q["phi"])
-    any_allowed = real.any(-1)
-    if local:
-        pad = (q["pad"] & k["pad"]).any(-1)
-        any_allowed |= pad & jnp.eye(*pad.shape, dtype=bool)
-    full = (q["smin"] == q["smax"]) & (k["smin"] == k["smax"]) & (q["smin"] == k["smin"])
-    full &= (q["smin"] >= 0) & (k["pmax"] <= q["pmin"])
-    all_allowed = full.all(-1)
-    return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), SKIP).astype(jnp.int32)
-
-
-def _round_kinds(sq, pq, sk, pk, active, local: bool):
-    """The block table of one round: all SKIP on a device whose ring is exhausted."""
-    return jnp.where(active, block_kinds(sq, pq, sk, pk, local), SKIP)
-
-
-def _pair_mask(sq_Bxbq, pq_Bxbq, sk_Bxbk, pk_Bxbk):
-    """[B, 1, 1, bq, bk] exact mask of one block pair."""
-    same_doc = sq_Bxbq[:, :, None] == sk_Bxbk[:, None, :]
-    causal = pk_Bxbk[:, None, :] <= pq_Bxbq[:, :, None]
-    return (same_doc & causal)[:, None, None]
-
-
-def _blocks_tokens(x_BxTp, b):
-    """[B, Tp] -> [n, B, b]."""
-    B, Tp = x_BxTp.shape
-    return x_BxTp.reshape(B, Tp // b, b).transpose(1, 0, 2)
-
-
-def _q_blocks(x_BxTpxHxD, K, b):
-    """[B, Tp, H, D] -> float32 [nq, B, K, G, b, D]."""
-    B, Tp, H, D = x_BxTpxHxD.shape
-    x = x_BxTpxHxD.astype(jnp.float32).reshape(B, Tp // b, b, K, H // K, D)
-    return x.transpose(1, 0, 3, 4, 2, 5)
-
-
-def _from_q_blocks(x_nxBxKxGxbxD, T):
-    n, B, K, G, b, D = x_nxBxKxGxbxD.shape
-    return x_nxBxKxGxbxD.transpose(1, 0, 4, 2, 3, 5).reshape(B, n * b, K * G, D)[:, :T]
-
-
-def _kv_blocks(kv_BxTpx2KxD, b):
-    """Packed [B, Tp, 2K, D] -> float32 k and v blocks [nk, B, K, b, D]."""
-    B, Tp, K2, D = kv_BxTpx2KxD.shape
-    x = kv_BxTpx2KxD.astype(jnp.float32).reshape(B, Tp // b, b, K2, D).transpose(1, 0, 3, 2, 4)
-    return x[:, :, : K2 // 2], x[:, :, K2 // 2 :]
-
-
-def _from_kv_blocks(x_nxBxKxbxD, T):
-    n, B, K, b, D = x_nxBxKxbxD.shape
-    return x_nxBxKxbxD.transpose(1, 0, 3, 2, 4).reshape(B, n * b, K, D)[:, :T]
-
-
-# ----------------------------------------------------------------------------- pair kernels
-
-
-def _fwd_pair(qb, sq, pq, kb_all, vb_all, sk, pk, kinds, state):
-    """Continue the online softmax of every query block over one kv shard.
-
-    qb [nq,B,K,G,bq,D] (scaled), sq/pq [nq,B,bq]; kb_all/vb_all [nk,B,K,bk,D], sk/pk [nk,B,bk];
-    kinds [nq,nk]; state (m, l [nq,B,K,G,bq], acc [nq,B,K,G,bq,D])."""
-    nk = kb_all.shape[0]
-
-    def q_block(_, xs):
-        q_b, sq_b, pq_b, kinds_row, m, l, acc = xs
-
-        def update(carry, ki, masked):
-            m, l, acc = carry
-            s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, kb_all[ki], precision=HI)
-            if masked:
-                s = jnp.where(_pair_mask(sq_b, pq_b, sk[ki], pk[ki]), s, NEG)
-            m_new = jnp.maximum(m, s.max(-1))
-            p = jnp.exp(s - m_new[..., None])
-            alpha = jnp.exp(m - m_new)
-            l = alpha * l + p.sum(-1)
-            pv = jnp.einsum("bkgqs,bksd->bkgqd", p, vb_all[ki], precision=HI)
-            acc = alpha[..., None] * acc + pv
-            return m_new, l, acc
-
-        def k_step(ki, carry):
-            return lax.switch(
-                kinds_row[ki],
-                [
-                    lambda c: c,
-                    functools.partial(update, ki=ki, masked=False),
-                    functools.partial(update, ki=ki, masked=True),
-                ],
-                carry,
-            )
-
-        return None, lax.fori_loop(0, nk, k_step, (m, l, acc))
-
-    _, state = lax.scan(q_block, None, (qb, sq, pq, kinds, *state))
-    return state
-
-
-def _bwd_pair(qb, sq, pq, dob, lse, delta, kb_all, vb_all, sk, pk, kinds, dq, dkv):
-    """Add one kv shard's share to dq [nq,B,K,G,bq,D] and this shard's packed dk|dv
-    [nk,B,2K,bk,D]."""
-    nq, K = qb.shape[0], kb_all.shape[2]
-    zeros_dq_b = _full(dq, qb.shape[1:])
-
-    def k_block(dq, xs):
-        k_b, v_b, sk_b, pk_b, kinds_col, dkv_b = xs
-
-        def update(carry, qi, masked):
-            dk_b, dv_b = carry
-            q_b = qb[qi]
-            do_b = dob[qi]
-            s = jnp.einsum("bkgqd,bksd->bkgqs", q_b, k_b, precision=HI)
-            if masked:
-                s = jnp.where(_pair_mask(sq[qi], pq[qi], sk_b, pk_b), s, NEG)
-            p = jnp.exp(s - lse[qi][..., None])  # masked: exp(NEG - lse) == 0
-            dv_b = dv_b + jnp.einsum("bkgqs,bkgqd->bksd", p, do_b, precision=HI)
-            dp = jnp.einsum("bkgqd,bksd->bkgqs", do_b, v_b, precision=HI)
-            ds = p * (dp - delta[qi][..., None])
-            dk_b = dk_b + jnp.einsum("bkgqs,bkgqd->bksd", ds, q_b, precision=HI)  # q holds scale
-            return (dk_b, dv_b), jnp.einsum("bkgqs,bksd->bkgqd", ds, k_b, precision=HI)
-
-        def q_step(qi, carry):
-            dq, dkv = carry
-            # dq stays outside the switch so the branches never copy the whole array.
-            dkv, dq_b = lax.switch(
-                kinds_col[qi],
-                [
-                    lambda c: (c, zeros_dq_b),
-                    functools.partial(update, qi=qi, masked=False),
-                    functools.partial(update, qi=qi, masked=True),
-                ],
-                dkv,
-            )
-            return dq.at[qi].add(dq_b), dkv
-
-        dq, (dk_b, dv_b) = lax.fori_loop(0, nq, q_step, (dq, (dkv_b[:, :K], dkv_b[:, K:])))
-        return dq, jnp.concatenate([dk_b, dv_b], axis=1)
-
-    return lax.scan(k_block, dq, (kb_all, vb_all, sk, pk, kinds.T, dkv))
+    b = seg_q.shape[2]
+    sq, pq, sk, pk = (_ids_tokens(jnp.asarray(x, jnp.int32)) for x in (seg_q, pos_q, seg_k, pos_k))
+    allowed, full = tables.pair_flags(tables.block_summaries(sq, pq, b),
+                                      tables.block_summaries(sk, pk, seg_k.shape[2]),
+                                      b, seg_k.shape[2], local)
+    return tables.shared_kinds(allowed, full)
 
 
 # ----------------------------------------------------------------------------- ring
-
-
-def _prepare(q, k, v, seg, pos, cfg: RingConfig):
-    """Padded shards: q [B,Tp,H,D], kv packed [B,Tp,2K,D], query and key (seg, pos) [B,Tp,2]."""
-    T = q.shape[1]
-    b = cfg.block
-    Tp = -(-T // b) * b
-    q = _pad_t(q, Tp, 0)
-    kv = _pad_t(jnp.concatenate([k, v], axis=2), Tp, 0)
-    sp = jnp.stack([seg, pos], axis=-1)
-    sp_q = _pad_t(sp, Tp, _Q_FILL)
-    sp_k = _pad_t(sp, Tp, _K_FILL)
-    return q, kv, sp_q, sp_k
 
 
 def _shift(x, cfg: RingConfig, min_degree: int):
@@ -409,30 +259,39 @@ def _ring_loop(cfg: RingConfig, step, ride, acc, carry):
     return acc, carry
 
 
-def _key_blocks(kv, sp_k, b):
-    kb_all, vb_all = _kv_blocks(kv, b)
-    return kb_all, vb_all, _blocks_tokens(sp_k[..., 0], b), _blocks_tokens(sp_k[..., 1], b)
+# ----------------------------------------------------------------------------- rounds
+
+
+def _plan(cfg: RingConfig, q, local: bool) -> ChunkPlan:
+    """The chunk blocking of one round (q and the visiting k/v shard have T tokens each)."""
+    T, D = q.shape[1], q.shape[3]
+    return make_chunk_plan(T, T, D, cfg.block, cfg.block, local,
+                           pallas=cfg.implementation == "pallas", interpret=cfg.interpret)
+
+
+def _ride(k, v, seg, pos):
+    """What travels around the ring: k|v packed [B,T,2K,D] and (seg, pos) packed [B,T,2]."""
+    return jnp.concatenate([k, v], axis=2), jnp.stack([seg, pos], axis=-1)
+
+
+def _unride(ride, seg_q, pos_q):
+    """The chunk op's (k, v, seg_q, pos_q, seg_k, pos_k) from a ride and the local ids."""
+    kv, sp = ride
+    K = kv.shape[2] // 2
+    return kv[:, :, :K], kv[:, :, K:], seg_q, pos_q, sp[..., 0], sp[..., 1]
 
 
 def _ring_forward(q, k, v, seg, pos, cfg: RingConfig):
-    T, D = q.shape[1], q.shape[3]
-    K = k.shape[2]
-    b = cfg.block
-    qp, kv, sp_q, sp_k = _prepare(q, k, v, seg, pos, cfg)
-    qb = _q_blocks(qp, K, b) * (1.0 / math.sqrt(D))
-    sq, pq = _blocks_tokens(sp_q[..., 0], b), _blocks_tokens(sp_q[..., 1], b)
+    """(out in q's dtype, lse float32 [B,T,H]) of the whole ring."""
 
     def step(active, local, ride, _, state):
-        kb_all, vb_all, sk, pk = _key_blocks(*ride, b)
-        kinds = _round_kinds(sq, pq, sk, pk, active, local)
-        return None, _fwd_pair(qb, sq, pq, kb_all, vb_all, sk, pk, kinds, state)
+        out_r, lse_r = forward_with_plan(cfg.implementation, _plan(cfg, q, local), q,
+                                         *_unride(ride, seg, pos), active)
+        return None, merge_chunks(*state, out_r, lse_r)
 
-    state = (_full(qb, qb.shape[:-1], NEG), _full(qb, qb.shape[:-1]), _full(qb, qb.shape))
-    _, (m, l, acc) = _ring_loop(cfg, step, (kv, sp_k), None, state)
-    # Every real or padding query sees itself in round 0, so l > 0 there; fill rows may not.
-    l = jnp.where(l == 0.0, 1.0, l)
-    out = _from_q_blocks(acc / l[..., None], T).astype(q.dtype)
-    return out, m + jnp.log(l)
+    state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
+    _, (out, lse) = _ring_loop(cfg, step, _ride(k, v, seg, pos), None, state)
+    return out.astype(q.dtype), lse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
@@ -447,29 +306,18 @@ def _ring_fwd(q, k, v, seg, pos, cfg):
 
 def _ring_bwd(cfg: RingConfig, res, do):
     q, k, v, seg, pos, out, lse = res
-    B, T, H, D = q.shape
-    K = k.shape[2]
-    b = cfg.block
-    scale = 1.0 / math.sqrt(D)
-    qp, kv, sp_q, sp_k = _prepare(q, k, v, seg, pos, cfg)
-    qb = _q_blocks(qp, K, b) * scale
-    Tp = qp.shape[1]
-    dob = _q_blocks(_pad_t(do, Tp, 0), K, b)  # fill rows get a zero cotangent
-    delta = (dob * _q_blocks(_pad_t(out, Tp, 0), K, b)).sum(-1)  # rowsum(dO * O)
-    sq, pq = _blocks_tokens(sp_q[..., 0], b), _blocks_tokens(sp_q[..., 1], b)
+    B, T, K, D = k.shape
+    delta = (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # rowsum(dO * O)
 
     def step(active, local, ride, dkv, dq):
-        kb_all, vb_all, sk, pk = _key_blocks(*ride, b)
-        kinds = _round_kinds(sq, pq, sk, pk, active, local)
-        dq, dkv = _bwd_pair(qb, sq, pq, dob, lse, delta, kb_all, vb_all, sk, pk, kinds, dq, dkv)
-        return dkv, dq
+        dq_r, dk_r, dv_r = backward_with_plan(cfg.implementation, _plan(cfg, q, local), q,
+                                              *_unride(ride, seg, pos), do, lse, delta, active)
+        return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
-    dkv = _full(qb, (Tp // b, B, 2 * K, b, D))
-    dkv, dq = _ring_loop(cfg, step, (kv, sp_k), dkv, _full(qb, qb.shape))  # dkv is home
-    dq = (_from_q_blocks(dq, T) * scale).astype(q.dtype)
-    dkv = _from_kv_blocks(dkv, T)
-    dk, dv = dkv[:, :, :K].astype(k.dtype), dkv[:, :, K:].astype(v.dtype)
-    return dq, dk, dv, None, None
+    dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos), _full(k, (B, T, 2 * K, D)),
+                         _full(q, q.shape))  # dkv is home
+    return (dq.astype(q.dtype), dkv[:, :, :K].astype(k.dtype), dkv[:, :, K:].astype(v.dtype),
+            None, None)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
@@ -478,7 +326,10 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 # ----------------------------------------------------------------------------- public
 
 
-def _check(q, k, v, seg, pos, axis_name, groups, block) -> RingConfig:
+def _check(q, k, v, seg, pos, axis_name, groups, block, implementation: str = "xla",
+           interpret: bool | None = None) -> RingConfig:
+    """Argument checks and the static RingConfig (ring_sparse.py reuses this with its own
+    kernels, hence the "xla" default: no Pallas block rules for it)."""
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share a dtype: {q.dtype=} {k.dtype=} {v.dtype=}")
     B, T, _, _, _ = check_qkv(q, k, v, None)
@@ -489,8 +340,15 @@ def _check(q, k, v, seg, pos, axis_name, groups, block) -> RingConfig:
             raise ValueError(f"{name} must be integer, got {x.dtype=}")
     if isinstance(block, bool) or not isinstance(block, int) or block < 1:
         raise ValueError(f"block={block!r} must be a positive int")
+    implementation, interpret = resolve_chunk_implementation(implementation, interpret)
+    check_interpreter_outside_vma(implementation, interpret, q)
     groups = check_groups(groups, _axis_size(axis_name))
-    return RingConfig(axis_name=axis_name, groups=groups, block=min(block, T))
+    if implementation == "xla":  # the Pallas chunk clamps to a power of two itself
+        block = min(block, T)
+    make_chunk_plan(T, T, q.shape[3], block, block, True, pallas=implementation == "pallas",
+                    interpret=interpret)  # block errors now, not from inside the ring loop
+    return RingConfig(axis_name=axis_name, groups=groups, block=block,
+                      implementation=implementation, interpret=interpret)
 
 
 def ring_attention(
@@ -503,6 +361,8 @@ def ring_attention(
     axis_name: str,
     groups: tuple[tuple[int, int], ...],
     block: int = 256,
+    implementation: str = "auto",
+    interpret: bool | None = None,
 ) -> jax.Array:
     """Causal document attention over ring groups; call inside shard_map over `axis_name`.
 
@@ -511,30 +371,39 @@ def ring_attention(
     unique per document within a group) and positions. `groups` = ((start, degree), ...)
     tiles the axis. Returns [B,T,H,D] in q's dtype; differentiable (ring backward).
     Padding outputs are finite but arbitrary (they attend only part of the padding).
+
+    `block`: query and key block length of each round's chunk (clamped to T; compiled Pallas
+    needs a power of two >= 16). `implementation`: "xla" | "pallas" | "auto" (Pallas on GPU,
+    XLA elsewhere; see kernels_pallas.flash_attention.chunk); `interpret` (Pallas only): None =
+    the Pallas interpreter iff the backend is CPU. The interpreter needs
+    shard_map(check_vma=False) (module doc).
     Note (JAX semantics, not this function): under shard_map(check_vma=False), jax.grad taken
     inside the body of a psum'd loss comes out N times too large (psum transposes to psum);
     differentiate outside the shard_map, or keep check_vma=True.
     """
-    cfg = _check(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg_BxT, pos_BxT, axis_name, groups, block)
+    cfg = _check(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg_BxT, pos_BxT, axis_name, groups, block,
+                 implementation, interpret)
     seg = seg_BxT.astype(jnp.int32)
     pos = pos_BxT.astype(jnp.int32)
     return _ring(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg, pos, cfg)
 
 
 def ring_block_counts(seg_BxT, pos_BxT, *, axis_name: str, groups, block: int = 256) -> jax.Array:
-    """int32 scalar: (query block, key block) pairs this device computes in the forward,
-    summed over all rounds (the backward visits the same pairs). Call inside shard_map."""
+    """int32 scalar: (query block, key block) pairs this device computes in the forward under
+    the XLA chunk's blocking (block x block, table shared by the batch), summed over all
+    rounds (the backward visits the same pairs). Call inside shard_map."""
     B, T = seg_BxT.shape
     cfg = RingConfig(axis_name, check_groups(groups, _axis_size(axis_name)), min(block, T))
     b = cfg.block
     Tp = -(-T // b) * b
-    sp = jnp.stack([seg_BxT.astype(jnp.int32), pos_BxT.astype(jnp.int32)], axis=-1)
-    sp_q, sp_k = _pad_t(sp, Tp, _Q_FILL), _pad_t(sp, Tp, _K_FILL)
-    sq, pq = _blocks_tokens(sp_q[..., 0], b), _blocks_tokens(sp_q[..., 1], b)
+    sq, pq = tables.pad_ids(seg_BxT, pos_BxT, Tp, tables.Q_FILL)
+    sum_q = tables.block_summaries(sq, pq, b)
 
     def step(active, local, sp_k, _, count):
-        sk, pk = _blocks_tokens(sp_k[..., 0], b), _blocks_tokens(sp_k[..., 1], b)
-        kinds = _round_kinds(sq, pq, sk, pk, active, local)
+        sk, pk = tables.pad_ids(sp_k[..., 0], sp_k[..., 1], Tp, tables.K_FILL)
+        allowed, full = tables.pair_flags(sum_q, tables.block_summaries(sk, pk, b), b, b, local)
+        kinds = tables.shared_kinds(allowed, full, active)
         return None, count + (kinds != SKIP).sum(dtype=jnp.int32)
 
-    return _ring_loop(cfg, step, sp_k, None, lax.full_like(sq, 0, jnp.int32, ()))[1]
+    sp = jnp.stack([seg_BxT.astype(jnp.int32), pos_BxT.astype(jnp.int32)], axis=-1)
+    return _ring_loop(cfg, step, sp, None, lax.full_like(sq, 0, jnp.int32, ()))[1]
