@@ -6,23 +6,21 @@ degree-1 groups — it builds the Plan, lays the data out and times the jitted f
 of the executor (`jaxsb.parallel.executor.plan_value_and_grad`), exactly what a training step
 runs before the optimiser update. Every program is compiled and called once (warm-up) before
 any timing; then all shapes are timed side by side, one call each per round, for `--repeats`
-rounds, so that load from other jobs hits every shape alike; a shape's time is its median.
+rounds, so that load from other jobs hits every shape alike; a shape's time is the fastest round (below).
 
-The fit (`jaxsb.planner.cost.fit_per_degree`) is FlexSP's formula family, with two honest
-departures that this machine needs:
+The fit (`jaxsb.planner.cost.fit_calibrated`) is linear in the work the executor really does
+for a plan (`jaxsb.planner.work`: buffer tokens of all devices, attention pairs in the blocks
+the kernels compute, ring rounds and tokens, Ulysses tokens; non-negative least squares on
+relative errors). On this machine the N devices are simulated on the host's few cores, so a
+step costs the sum of all devices' work — idle devices' padding included — not the slowest
+group's; counting work exactly as the kernels skip it is what lets one set of constants price
+every degree, buffer size and mix of documents.
 
-* **constants per degree.** Here the N devices are simulated on the host's few cores, so a
-  group of degree d does not run d times faster: the work of every device, the idle ones'
-  padding included, is serialised on the same cores. One (a1, a2, b1) cannot fit all degrees;
-  each measured degree gets its own, the scalars (one fit over everything) are the fallback.
-* **padded buffers.** The executor computes on per-device buffers bucketed to 128, 256, 384,
-  512, 768, ... tokens (jaxsb.planner.plan.BUFFER_BUCKETS), and the step time follows the buffer,
-  not the lengths (a 520-token sequence runs in a 768-token buffer). The fit and plan pricing
-  (`plan_time_ms`) count the padding as one more sequence; `group_time_ms`, the planners'
-  additive view, stays on the lengths. The dense kernels further pad a buffer to whole
-  `model.attention_block` blocks (with 256, a 384-token buffer computes as 512); so does the fit.
+Timing: contention from other jobs only ever adds time, so a shape's time is its fastest of
+`--repeats` rounds (the estimate of the uncontended time that `timeit` also recommends), the
+rounds interleaved over all shapes.
 
-Communication is folded into the per-degree constants (it is measured, not modeled). Memory:
+Communication is measured, not modeled: its terms are fitted like the others. Memory:
 model states at 16 bytes per parameter over the devices, activations per token from the
 compiled programs' memory analysis, limit = half the host memory per device.
 
@@ -59,8 +57,8 @@ DEGREES = (1, 2, 4, 8)
 LENGTHS = (128, 256, 512)  # tokens per device: buffer buckets, compiled once each per degree
 HOLDOUT = (384,)
 BUDGETS = (2, 4)
-REPEATS = 3
-QUICK = dict(degrees=(1, 8), lengths=(128, 256, 512), holdout=(384,), budgets=(2,), repeats=3)
+REPEATS = 7
+QUICK = dict(degrees=(1, 8), lengths=(128, 256, 512), holdout=(384,), budgets=(2,), repeats=5)
 FILL = (0.45, 0.25, 0.10)  # the held-out mixed shape: three sequences, ~80% of the buffer
 
 
@@ -78,7 +76,7 @@ class Shape:
 class Measurement:
     shape: Shape
     shard_len: int
-    ms: float  # median over repeats
+    ms: float  # fastest of the repeats (see the module docstring)
     all_ms: list[float]
     predicted_ms: float = float("nan")
 
@@ -187,7 +185,7 @@ class StepTimer:
                 t = time.perf_counter()
                 call()
                 out.append((time.perf_counter() - t) * 1e3)
-        return [Measurement(s, sl, float(np.median(ts)), ts) for s, (_, sl), ts in zip(shapes, calls, times)]
+        return [Measurement(s, sl, float(np.min(ts)), ts) for s, (_, sl), ts in zip(shapes, calls, times)]
 
     def act_per_token_mb(self) -> float:
         """Activation MB per token per device: the slope of the compiled programs' temp memory
@@ -217,7 +215,7 @@ def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] =
     """Measures the grid and fits; returns (CalibratedCost, [Measurement]) with predictions."""
     import jax
 
-    from jaxsb.planner.cost import fit_per_degree
+    from jaxsb.planner.cost import fit_calibrated
 
     mc = model_config_for(cfg)
     sparse = mc.attention == "sparse"
@@ -243,12 +241,18 @@ def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] =
               f"{platform.machine()}, {jax.devices()[0].platform} x {n} devices, jax {jax.__version__}), "
               f"config {cfg.name}: hidden {mc.hidden}, layers {mc.layers}, vocab {mc.vocab_size}, "
               f"attention {mc.attention}, scheme {scheme}; {datetime.date.today().isoformat()}")
-    fit = fit_per_degree([(m.shape.degree, m.shape.lengths, m.shape.budgets, m.shard_len, m.ms)
-                          for m in rows if not m.shape.held_out],
-                         name=f"calibrated:{cfg.name}", block=mc.sparse.block_size,
-                         memory_limit_mb=0.5 * host_mb / n, states_mb=timer.num_params * 16 / n / 2**20,
-                         act_per_token_mb=timer.act_per_token_mb(), source=source, num_devices=n,
-                         attention_block=0 if sparse else mc.attention_block)
+    from jaxsb.parallel.executor import alignment
+
+    fit = fit_calibrated([(timer.plan(m.shape), m.ms) for m in rows if not m.shape.held_out],
+                         name=f"calibrated:{cfg.name}", attention_block=mc.attention_block,
+                         sparse_block=mc.sparse.block_size if sparse else 0, align=alignment(mc),
+                         block=mc.sparse.block_size, memory_limit_mb=0.5 * host_mb / n,
+                         states_mb=timer.num_params * 16 / n / 2**20, act_per_token_mb=timer.act_per_token_mb(),
+                         source=source, num_devices=n, serial_devices=True,
+                         measurements=[dict(degree=m.shape.degree, lengths=list(m.shape.lengths),
+                                            budgets=None if m.shape.budgets is None else list(m.shape.budgets),
+                                            held_out=m.shape.held_out, ms=round(m.ms, 3),
+                                            all_ms=[round(t, 3) for t in m.all_ms]) for m in rows])
     for m in rows:
         m.predicted_ms = fit.plan_time_ms(timer.plan(m.shape))
     log(f"measured in {time.perf_counter() - t0:.0f} s ({timer.compile_seconds:.0f} s compiling "

@@ -1,20 +1,18 @@
-"""`jaxsb.calibrate`: the fit recovers known constants exactly from synthetic timings and
-predicts held-out shapes from them; the quick calibration of a tiny model runs end to end on
-this machine; presets round-trip through JSON; the shipped cpu preset loads; bad files fail
-with their name.
-
-How well a calibration predicts real held-out step times is measured, not asserted here (speed
-and timing accuracy are not unit-test material on a shared 2-core machine: a CI run measured a
-19% median error where a quieter run measured 12%); `python -m jaxsb.calibrate` prints it."""
+"""`jaxsb.calibrate`: a quick calibration of a tiny model on this machine predicts its held-out
+shapes' step times within 15% (the issue's bound, asserted on the median so that one shape hit
+by load from other jobs does not fail it; quiet runs measure a median of ~3%, worst ~10%); the
+fit recovers known coefficients exactly from synthetic timings; presets round-trip through JSON;
+the shipped cpu preset loads and prices plans; bad files fail with their name."""
 
 import json
 
 import numpy as np
 import pytest
 
-from jaxsb.calibrate import QUICK, calibrate, format_table, held_out_errors, main
+from jaxsb.calibrate import QUICK, calibrate, format_table, held_out_errors, main, make_grid
 from jaxsb.config import load_config
-from jaxsb.planner.cost import CalibratedCost, calibration_features, fit_per_degree, load_preset
+from jaxsb.planner.cost import CalibratedCost, fit_calibrated, load_preset
+from jaxsb.planner.plan import GroupSpec, build_plan
 
 TINY = ["model.layers=1", "model.vocab_size=512"]
 
@@ -30,28 +28,39 @@ def test_quick_calibration_runs_end_to_end(quick):
     err = held_out_errors(rows)
     assert len(err) >= 2 and any(not m.shape.held_out for m in rows)
     assert np.all(np.isfinite(err)) and all(m.ms > 0 for m in rows), format_table(rows)
-    for d in QUICK["degrees"]:
-        a1, a2, b1 = fit.constants(d)
-        assert min(a1, a2, b1) >= 0 and a1 + a2 > 0, (d, a1, a2, b1)
-    assert fit.pad_to_buffers and fit.num_devices == 8 and "jaxsb.calibrate" in fit.source
+    assert min(fit.coef.values()) >= 0 and fit.coef["tokens"] + fit.coef["pairs"] > 0, fit.coef
+    assert fit.serial_devices and fit.num_devices == 8 and "jaxsb.calibrate" in fit.source
+    # every measurement is kept in the preset, and its time is the fastest round
+    assert [(m["degree"], tuple(m["lengths"]), m["held_out"]) for m in fit.measurements] == \
+        [(m.shape.degree, m.shape.lengths, m.shape.held_out) for m in rows]
+    assert all(m["ms"] == pytest.approx(min(m["all_ms"]), abs=1e-3) for m in fit.measurements)
+
+
+def test_quick_calibration_predicts_held_out_step_times_within_15_percent(quick):
+    _, rows = quick
+    err = held_out_errors(rows)
+    assert np.median(err) <= 0.15, format_table(rows)
 
 
 def test_fit_recovers_known_constants_and_predicts_held_out_shapes():
-    """Timings generated from known per-degree constants through the fit's own features: the
-    fit returns those constants and predicts shapes it was not fitted on."""
-    truth = {1: (2e-4, 0.05, 40.0), 2: (1e-4, 0.09, 12.0), 8: (3e-5, 0.6, 5.0)}
+    """Timings generated from known coefficients through the work counts of calibrate's own
+    grid: the fit returns those coefficients and predicts the held-out shapes exactly."""
+    truth = dict(microbatches=30.0, tokens=0.15, pairs=2e-4, ring_rounds=4.0, ring_tokens=0.02, ulysses_tokens=0.0)
+    model = CalibratedCost(name="truth", a1=0, a2=0, b1=0, memory_limit_mb=1e3, states_mb=1.0,
+                           act_per_token_mb=0.1, coef=truth)
 
-    def ms(degree, lengths, shard_len):
-        f = calibration_features(degree, lengths, None, shard_len, 128, 8)
-        return float(np.dot(f, truth[degree]))
+    def plan(shape):
+        ids = tuple(range(len(shape.lengths)))
+        return build_plan(8, [[GroupSpec(shape.degree, "local" if shape.degree == 1 else "ring", ids)]],
+                          shape.lengths)
 
-    grid = [(d, [d * n], n) for d in truth for n in (128, 256, 512)]
-    fit = fit_per_degree([(d, lens, None, S, ms(d, lens, S)) for d, lens, S in grid], num_devices=8)
-    for d, want in truth.items():
-        np.testing.assert_allclose(fit.constants(d), want, rtol=1e-6)
-    for d, lens, S in [(1, [300, 50], 384), (2, [700], 384), (8, [1500, 900], 384)]:
-        f = calibration_features(d, lens, None, S, 128, 8)
-        np.testing.assert_allclose(np.dot(f, fit.constants(d)), ms(d, lens, S), rtol=1e-6)
+    grid = make_grid((1, 2, 4, 8), (128, 256, 512), (384,))
+    fit = fit_calibrated([(plan(s), model.plan_time_ms(plan(s))) for s in grid if not s.held_out])
+    for term, want in truth.items():
+        assert fit.coef[term] == pytest.approx(want, rel=1e-6, abs=1e-12), term
+    for s in grid:
+        if s.held_out:
+            assert fit.plan_time_ms(plan(s)) == pytest.approx(model.plan_time_ms(plan(s)), rel=1e-6)
 
 
 def test_saved_preset_round_trips(quick, tmp_path):
@@ -60,37 +69,38 @@ def test_saved_preset_round_trips(quick, tmp_path):
     fit.save(str(path))
     back = load_preset(str(path))
     assert isinstance(back, CalibratedCost) and back == fit
-    assert set(back.a1_by_degree) == set(QUICK["degrees"])
     assert json.loads(path.read_text())["kind"] == "calibrated"
+    for m in rows:
+        assert back.plan_time_ms(rows_plan(m)) == pytest.approx(m.predicted_ms)
 
 
-def test_shipped_cpu_preset_loads_with_positive_constants():
+def rows_plan(m):
+    ids = tuple(range(len(m.shape.lengths)))
+    return build_plan(8, [[GroupSpec(m.shape.degree, "local" if m.shape.degree == 1 else "ring", ids)]],
+                      m.shape.lengths)
+
+
+def test_shipped_cpu_preset_loads_and_prices_plans():
     from jaxsb.parallel.steps import load_cost_model
 
     cost = load_cost_model("cpu", 8, 1024)
-    assert isinstance(cost, CalibratedCost) and cost.pad_to_buffers
-    assert "jaxsb.calibrate" in cost.source
-    for d in (1, 2, 4, 8):
-        a1, a2, b1 = cost.constants(d)
-        assert a1 > 0 or a2 > 0, d
-        assert min(a1, a2, b1) >= 0, d
+    assert isinstance(cost, CalibratedCost) and cost.serial_devices and cost.num_devices == 8
+    assert "jaxsb.calibrate" in cost.source and cost.measurements
+    assert min(cost.coef.values()) >= 0 and cost.coef["tokens"] > 0 and cost.coef["pairs"] > 0
     assert cost.memory_limit_mb > cost.states_mb > 0 and cost.act_per_token_mb > 0
-    assert cost.group_time_ms(8, [4096]) > cost.group_time_ms(8, [1024]) > 0
-
-
-def test_per_degree_constants_override_the_scalars():
-    cost = CalibratedCost(name="t", a1=0.0, a2=1.0, b1=5.0, memory_limit_mb=1e3, states_mb=1.0,
-                          act_per_token_mb=0.1, a2_by_degree={"2": 3.0}, b1_by_degree={2: 7.0})
-    assert cost.group_time_ms(1, [100]) == pytest.approx(100 + 5)
-    assert cost.group_time_ms(2, [100]) == pytest.approx(3 * 100 / 2 + 7)
-    assert cost.group_time_ms(2, []) == 0.0
+    assert cost.group_time_ms(8, [4096], scheme="ring") > cost.group_time_ms(8, [1024], scheme="ring") > 0
+    small, big = (build_plan(8, [[GroupSpec(8, "ring", (0,))]], [n]) for n in (1024, 4096))
+    assert cost.plan_time_ms(big) > cost.plan_time_ms(small) > 0
 
 
 @pytest.mark.parametrize("text, match", [
     ("{not json", "cannot read calibrated cost model"),
     ('{"name": "x", "a1": 1}', "missing fields"),
-    ('{"name": "x", "a1": 1, "a2": 1, "b1": 1, "memory_limit_mb": 1, "states_mb": 0, '
-     '"act_per_token_mb": 1, "a1_by_degree": {"two": 1}}', "malformed"),
+    ('{"name": "x", "coef": {"tokens": "fast"}, "memory_limit_mb": 1, "states_mb": 0, '
+     '"act_per_token_mb": 1}', "malformed"),
+    ('{"name": "x", "coef": {"flops": 1}, "memory_limit_mb": 1, "states_mb": 0, "act_per_token_mb": 1}',
+     "unknown terms"),
+    ('[1, 2]', "expected a JSON object"),
 ])
 def test_malformed_preset_names_the_file(tmp_path, text, match):
     path = tmp_path / "broken-preset.json"

@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from jaxsb.planner.cost import (CalibratedCost, CostModel, FlexSPCost, FormulaCost, fit_constants, load_preset,
+from jaxsb.planner.cost import (CalibratedCost, CostModel, FlexSPCost, FormulaCost, fit_calibrated, load_preset,
                                 plan_memory_mb, sparse_attention_fraction, token_capacity)
 from jaxsb.planner.plan import GroupSpec, build_plan
 
@@ -89,28 +89,52 @@ def test_plan_time_is_the_sum_of_slowest_groups():
 
 
 def test_calibrated_roundtrip_and_fit(tmp_path):
+    """Timings made from known coefficients through the work counts, with 0.1% noise: the fit
+    recovers the coefficients; the saved file loads back equal; negative slopes are clamped."""
     rng = np.random.default_rng(0)
-    a1, a2, b1 = 2e-6, 0.05, 12.0
+    truth = dict(microbatches=40.0, tokens=0.2, pairs=4e-4, ring_rounds=3.0, ring_tokens=0.05, ulysses_tokens=0.0)
+    probe = CalibratedCost(name="t", a1=0, a2=0, b1=0, memory_limit_mb=1e3, states_mb=1.0, act_per_token_mb=0.1,
+                           coef=truth)
     samples = []
     for _ in range(30):
         d = int(rng.choice([1, 2, 4]))
-        lens = rng.integers(64, 4096, size=int(rng.integers(1, 5))).tolist()
-        ms = sum(a1 * s * s + a2 * s for s in lens) / d + b1
-        samples.append((d, lens, ms * (1 + rng.normal(0, 1e-3))))
-    fit = fit_constants(samples, memory_limit_mb=1000.0, act_per_token_mb=0.01, states_mb=10.0, source="test")
-    assert fit.a1 == pytest.approx(a1, rel=0.05) and fit.a2 == pytest.approx(a2, rel=0.02)
-    assert fit.b1 == pytest.approx(b1, rel=0.1)
+        lens = rng.integers(64, 1024, size=int(rng.integers(1, 4))).tolist()
+        plan = build_plan(8, [[GroupSpec(d, "local" if d == 1 else "ring", tuple(range(len(lens))))]], lens)
+        samples.append((plan, probe.plan_time_ms(plan) * (1 + rng.normal(0, 1e-3))))
+    fit = fit_calibrated(samples, memory_limit_mb=1000.0, act_per_token_mb=0.01, states_mb=10.0, source="test")
+    for term in ("microbatches", "tokens", "pairs", "ring_tokens"):
+        assert fit.coef[term] == pytest.approx(truth[term], rel=0.1), term
+    assert fit.coef["ulysses_tokens"] == 0.0  # no Ulysses sample: nothing to fit, nothing invented
     path = tmp_path / "cal.json"
     fit.save(str(path))
     back = load_preset(str(path))
     assert isinstance(back, CalibratedCost) and back == fit
     assert load_preset(f"calibrated:{path}").group_time_ms(2, [1000, 300]) == fit.group_time_ms(2, [1000, 300])
-    # negative coefficients are clamped: a pure-constant workload fits b1 only
-    flat = fit_constants([(1, [n], 5.0) for n in (100, 200, 400, 800)])
-    assert flat.a1 >= 0 and flat.a2 >= 0 and flat.b1 == pytest.approx(5.0, rel=1e-6)
-    # measured data with time decreasing in length would need a negative slope: clamped to 0
-    neg = fit_constants([(1, [n], 10.0 - n / 1000) for n in (100, 2000, 4000, 8000)])
-    assert neg.a1 == 0.0 and neg.a2 == 0.0 and neg.b1 > 0
+    # measured data with time decreasing in length would need negative slopes: clamped to 0
+    plans = [build_plan(8, [[GroupSpec(1, "local", (0,))]], [n]) for n in (128, 256, 384, 512)]
+    neg = fit_calibrated([(p, 10.0 - n / 1000) for p, n in zip(plans, (128, 256, 384, 512))])
+    assert min(neg.coef.values()) >= 0 and neg.coef["microbatches"] > 0
+
+
+def test_calibrated_group_view_on_a_serial_host():
+    """The planners' view: on a host whose devices share its cores sharding saves nothing, and a
+    ring of degree d adds d rounds and its tokens; Ulysses its tokens per device."""
+    cost = CalibratedCost(name="t", a1=0, a2=0, b1=0, memory_limit_mb=1e3, states_mb=1.0, act_per_token_mb=0.1,
+                          coef=dict(microbatches=5.0, tokens=1.0, pairs=0.0, ring_rounds=2.0, ring_tokens=0.5,
+                                    ulysses_tokens=0.25))
+    assert cost.group_time_ms(1, [100]) == pytest.approx(100 + 5)
+    assert cost.group_time_ms(2, [100], scheme="ring") == pytest.approx(100 + 5 + 2 * 2 + 0.5 * 100)
+    assert cost.group_time_ms(4, [100], scheme="ulysses") == pytest.approx(100 + 5 + 0.25 * 25)
+    assert cost.group_time_ms(2, []) == 0.0
+    parallel = CalibratedCost(name="t", a1=0, a2=0, b1=0, memory_limit_mb=1e3, states_mb=1.0, act_per_token_mb=0.1,
+                              coef=dict(tokens=1.0), serial_devices=False)
+    assert parallel.group_time_ms(4, [100], scheme="ulysses") == pytest.approx(25)
+    with pytest.raises(ValueError, match="unknown terms"):
+        CalibratedCost(name="t", a1=0, a2=0, b1=0, memory_limit_mb=1, states_mb=0, act_per_token_mb=0,
+                       coef=dict(flops=1.0))
+    with pytest.raises(ValueError, match=">= 0"):
+        CalibratedCost(name="t", a1=0, a2=0, b1=0, memory_limit_mb=1, states_mb=0, act_per_token_mb=0,
+                       coef=dict(tokens=-1.0))
 
 
 def test_bad_names_and_files(tmp_path):

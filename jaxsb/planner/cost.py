@@ -37,9 +37,8 @@ The formula family (`FormulaCost`) is FlexSP's (ASPLOS'25, from the authors' pub
 
 Presets: `load_preset("flexsp-a100:gpt-7b", num_devices=64, max_len=192000, memory_limit_gb=30)`
 (also gpt-13b, gpt-30b), `load_preset("skrull-h100:qwen2.5-0.5b")` (Skrull's model, from
-jaxsb.planner.skrull), and calibrated JSON files (`CalibratedCost`, fitted by `fit_constants`, or per
-degree and on the executor's padded buffers by `fit_per_degree` — what `python -m jaxsb.calibrate`
-does, see CalibratedCost for why).
+jaxsb.planner.skrull), and calibrated JSON files (`CalibratedCost`, fitted by `fit_calibrated` on
+the executor's real work counts — what `python -m jaxsb.calibrate` does, see CalibratedCost).
 """
 
 from __future__ import annotations
@@ -322,93 +321,85 @@ class FlexSPCost(FormulaCost):
 
 @dataclasses.dataclass
 class CalibratedCost(FormulaCost):
-    """Constants fitted on this machine (by jaxsb.calibrate); saved and loaded as JSON."""
+    """Constants fitted on this machine by `python -m jaxsb.calibrate`; saved and loaded as JSON.
+
+    Plans are priced on the work the executor makes the devices do (`jaxsb.planner.work`):
+
+        step_ms = sum over micro-batches of  coef . (1, buffer tokens, attention pairs,
+                                                     ring rounds, ring tokens, ulysses tokens)
+
+    with the counts summed over all devices, padding and idle devices included — the model of a
+    host whose N devices share its cores (`serial_devices`, the CPU machine with simulated
+    devices): they take turns on the same cores, so the step is the sum of their work, not the
+    slowest group's, and a group of degree d is not d times faster. The counts follow the
+    kernels' block skipping, so a 384-token buffer in 256-token blocks costs as 512, documents
+    packed in one buffer cost their own triangles, and padding costs what the kernels spend on it.
+
+    The planners' additive per-group view (`group_time_ms`) is FlexSP's formula with
+    a1 = coef["pairs"] / 2 (a causal sequence of s tokens has about s^2 / 2 pairs), a2 =
+    coef["tokens"], b1 = coef["microbatches"] and the ring / Ulysses coefficients as its
+    communication; with `serial_devices` the 1 / d of parallel devices is dropped (sharding
+    speeds nothing up on one host)."""
 
     source: str = ""  # what was measured: machine, model, date
-    # Optional per-degree constants (jaxsb.calibrate fills them): where a degree is present they
-    # override the scalar a1 / a2 / b1 for groups of that degree; the scalars stay the fallback.
-    # Why: on a host whose N "devices" are simulated on a few cores, a group of degree d does not
-    # run d times faster (every device's work is serialised on the same cores, idle devices
-    # included), so one (a1, a2, b1) cannot fit all degrees of FlexSP's a / d formula.
-    a1_by_degree: dict = dataclasses.field(default_factory=dict)
-    a2_by_degree: dict = dataclasses.field(default_factory=dict)
-    b1_by_degree: dict = dataclasses.field(default_factory=dict)
-    # Price plans (plan_time_ms / group_times_ms) on the executor's padded buffers: each group's
-    # sharded stream is padded to degree x the micro-batch's bucketed shard_len, the padding
-    # counted as one more sequence (it is its own segment). group_time_ms (the planners'
-    # additive per-group view) is unchanged. With `num_devices` > 0 (a host that serialises all
-    # devices), a group's price also counts the padding that the other num_devices - degree
-    # devices compute meanwhile: (a1 S^2 + a2 S) each, S = the micro-batch's shard_len.
-    # The attention kernels pad a buffer to whole blocks of `attention_block` tokens (0: none):
-    # with block 256, a 384-token buffer computes as 512 (block = min(block, buffer), so a buffer
-    # shorter than one block is not padded).
-    pad_to_buffers: bool = False
+    coef: dict = dataclasses.field(default_factory=dict)  # work.FEATURES name -> ms per unit
     num_devices: int = 0
-    attention_block: int = 0
-
-    def kernel_len(self, shard_len: int) -> int:
-        """The per-device tokens the kernels compute for a buffer of `shard_len`."""
-        return kernel_len(shard_len, self.attention_block)
+    serial_devices: bool = True
+    attention_block: int = 256  # the dense kernels' block (model.attention_block)
+    sparse_block: int = 0  # > 0: the model attends block-sparse in blocks of this many tokens
+    align: int = 1  # sequences start on multiples of this in the buffers (executor.alignment)
+    measurements: list = dataclasses.field(default_factory=list)  # what calibrate measured
 
     def __post_init__(self):
         super().__post_init__()
-        for f in ("a1_by_degree", "a2_by_degree", "b1_by_degree"):
-            setattr(self, f, {int(k): float(v) for k, v in getattr(self, f).items()})
+        from jaxsb.planner.work import FEATURES
 
-    def constants(self, degree: int) -> tuple[float, float, float]:
-        """(a1, a2, b1) for a group of `degree` devices."""
-        d = int(degree)
-        return (self.a1_by_degree.get(d, self.a1), self.a2_by_degree.get(d, self.a2),
-                self.b1_by_degree.get(d, self.b1))
+        unknown = sorted(set(self.coef) - set(FEATURES))
+        if unknown:
+            raise ValueError(f"coef has unknown terms {unknown} (expected some of {list(FEATURES)})")
+        self.coef = {f: float(self.coef.get(f, 0.0)) for f in FEATURES}
+        bad = {f: v for f, v in self.coef.items() if not (v >= 0 and np.isfinite(v))}
+        if bad:
+            raise ValueError(f"coef must be finite and >= 0, got {bad}")
+        self.a1, self.a2, self.b1 = self.coef["pairs"] / 2, self.coef["tokens"], self.coef["microbatches"]
 
+    # ------------------------------------------------------------ the planners' group view
     def compute_ms(self, length: int, degree: int = 1, budget: int | None = None) -> float:
-        a1, a2, _ = self.constants(degree)
-        s = float(length)
-        return (a1 * s * s * sparse_attention_fraction(length, budget, self.block) + a2 * s) / degree
+        t = super().compute_ms(length, 1, budget)
+        return t if self.serial_devices else t / degree
 
-    def group_time_ms(self, degree: int, sharded_lengths: Sequence[int],
-                      local_lengths: Sequence[Sequence[int]] = (), scheme: str = "ulysses",
-                      budgets: Sequence[int] | None = None) -> float:
-        if not list(sharded_lengths) and not any(local_lengths):
-            return 0.0  # an empty group costs nothing (as FormulaCost)
-        t = super().group_time_ms(degree, sharded_lengths, local_lengths, scheme, budgets)
-        return t - self.b1 + self.constants(degree)[2]
+    def comm_ms(self, degree: int, tokens: float, scheme: str = "ulysses") -> float:
+        if degree == 1 or tokens == 0 or scheme == "local":
+            return 0.0
+        per_device = tokens / degree
+        if scheme == "ring":
+            return (self.coef["ring_rounds"] + self.coef["ring_tokens"] * per_device) * degree
+        if scheme == "ulysses":
+            return self.coef["ulysses_tokens"] * per_device
+        raise ValueError(f"scheme {scheme!r} is not one of ('local', 'ulysses', 'ring')")
 
-    def group_times_ms(self, plan) -> list[list[float]]:
-        if not self.pad_to_buffers:
-            return group_times_ms(self, plan)
-        out = []
-        for m, mb in enumerate(plan.template.microbatches):
-            row = []
-            for g, group in enumerate(mb.groups):
-                degree, sharded, local, budgets = _group_inputs(plan, m, g)
-                S = self.kernel_len(mb.shard_len)
-                pad = degree * S - sum(sharded)
-                if sharded and pad > 0:
-                    if budgets is not None:
-                        budgets = budgets[:len(sharded)] + [None] + budgets[len(sharded):]
-                    sharded = sharded + [pad]
-                t = self.group_time_ms(degree, sharded, local, scheme=group.scheme, budgets=budgets)
-                if t and self.num_devices > degree:
-                    a1, a2, _ = self.constants(degree)
-                    t += (self.num_devices - degree) * (a1 * S * S + a2 * S)
-                row.append(t)
-            out.append(row)
-        return out
+    # --------------------------------------------------------------------- whole plans
+    def work(self, plan) -> np.ndarray:
+        """The plan's [work.FEATURES] counts."""
+        from jaxsb.planner.work import plan_work
+
+        return plan_work(plan, attention_block=self.attention_block, sparse_block=self.sparse_block,
+                         align=self.align)
 
     def plan_time_ms(self, plan) -> float:
-        return float(sum(max(row, default=0.0) for row in self.group_times_ms(plan)))
+        from jaxsb.planner.work import FEATURES
 
+        return float(np.dot(self.work(plan), [self.coef[f] for f in FEATURES]))
+
+    # ------------------------------------------------------------------------- files
     def save(self, path: str) -> None:
         d = dataclasses.asdict(self)
         d["kind"] = "calibrated"
-        d["ulysses_ms_per_token"] = {str(k): v for k, v in self.ulysses_ms_per_token.items()}
-        d["ring_ms_per_token"] = {str(k): v for k, v in self.ring_ms_per_token.items()}
-        for f in ("a1_by_degree", "a2_by_degree", "b1_by_degree"):
-            d[f] = {str(k): v for k, v in getattr(self, f).items()}
+        for f in ("ulysses_ms_per_token", "ring_ms_per_token"):
+            d[f] = {str(k): v for k, v in d[f].items()}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
-            json.dump(d, f, indent=2, sort_keys=True)
+            json.dump(d, f, indent=1, sort_keys=True)
             f.write("\n")
 
     @classmethod
@@ -418,66 +409,29 @@ class CalibratedCost(FormulaCost):
                 d = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read calibrated cost model {path}: {e}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"{path}: expected a JSON object, got {type(d).__name__}")
         d.pop("kind", None)
         fields = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(d) - fields)
         if unknown:
             raise ValueError(f"{path}: unknown fields {unknown} (expected some of {sorted(fields)})")
-        missing = sorted(f.name for f in dataclasses.fields(cls)
-                         if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-                         and f.name not in d)
+        required = ("name", "coef", "memory_limit_mb", "states_mb", "act_per_token_mb")
+        missing = [f for f in required if f not in d]
         if missing:
             raise ValueError(f"{path}: missing fields {missing}")
+        d.setdefault("a1", 0.0), d.setdefault("a2", 0.0), d.setdefault("b1", 0.0)  # derived from coef
         try:
             return cls(**d)
-        except (TypeError, ValueError, AttributeError) as e:  # e.g. a table that is not a {degree: number}
+        except (TypeError, ValueError, AttributeError) as e:  # e.g. a coef that is not a number
             raise ValueError(f"{path}: malformed calibrated cost model: {e}") from e
 
 
-def fit_constants(samples: Sequence[tuple[int, Sequence[int], float]], *, name: str = "calibrated",
-                  memory_limit_mb: float = float("inf"), states_mb: float = 0.0,
-                  act_per_token_mb: float = 0.0, ulysses_ms_per_token: Mapping | None = None,
-                  ring_ms_per_token: Mapping | None = None, block: int = 128,
-                  source: str = "") -> CalibratedCost:
-    """Least-squares fit of a1, a2, b1 from measured group times.
-
-    `samples`: (degree, lengths, measured_ms) — one group's measured time for sequences `lengths`
-    sharded over `degree` devices. Features (sum s^2 / d, sum s / d, 1); negative coefficients
-    are clamped to 0 and the rest refitted (non-negative least squares by active set). Measured
-    communication, if any, is absorbed into a2 unless `ulysses_ms_per_token` is given, in which
-    case its modeled time is subtracted first."""
-    if not samples:
-        raise ValueError("fit_constants needs at least one (degree, lengths, measured_ms) sample")
-    rows, y = [], []
-    uly = {int(k): float(v) for k, v in (ulysses_ms_per_token or {}).items()}
-    for degree, lengths, ms in samples:
-        s = np.asarray(list(lengths), dtype=np.float64)
-        comm = uly.get(int(degree), 0.0) * s.sum() / degree if degree > 1 else 0.0
-        rows.append([float((s * s).sum()) / degree, float(s.sum()) / degree, 1.0])
-        y.append(float(ms) - comm)
-    X, y = np.asarray(rows), np.asarray(y)
-    # Scale columns so lstsq is well conditioned (s^2 terms are ~1e8 times the constant term).
-    scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
-    active = [0, 1, 2]
-    coef = np.zeros(3)
-    while active:
-        sol, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
-        sol = sol / scale[active]
-        if (sol >= 0).all():
-            coef[:] = 0
-            coef[active] = sol
-            break
-        active = [a for a, c in zip(active, sol) if c >= 0] if (sol >= 0).any() else []
-    return CalibratedCost(name=name, a1=float(coef[0]), a2=float(coef[1]), b1=float(coef[2]),
-                          memory_limit_mb=memory_limit_mb, states_mb=states_mb,
-                          act_per_token_mb=act_per_token_mb, ulysses_ms_per_token=dict(uly),
-                          ring_ms_per_token=dict(ring_ms_per_token or {}), block=block, source=source)
-
-
 def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
-    """Non-negative least squares by active set on column-scaled features (as fit_constants)."""
+    """Non-negative least squares by active set on column-scaled features (a negative
+    coefficient is clamped to 0 and the rest refitted)."""
     scale = np.maximum(np.abs(X).max(axis=0), 1e-30)
-    active = list(range(X.shape[1]))
+    active = [i for i in range(X.shape[1]) if np.abs(X[:, i]).max() > 0]
     coef = np.zeros(X.shape[1])
     while active:
         sol, *_ = np.linalg.lstsq(X[:, active] / scale[active], y, rcond=None)
@@ -489,66 +443,30 @@ def _nnls(X: np.ndarray, y: np.ndarray) -> np.ndarray:
     return coef
 
 
-def kernel_len(shard_len: int, block: int) -> int:
-    """Tokens the attention kernels compute for a buffer: padded to whole blocks of
-    min(block, buffer) (as kernels_pallas/flash_attention/xla.py and jaxsb/parallel/ring.py)."""
-    S, b = int(shard_len), min(int(block), int(shard_len))
-    return -(-S // b) * b if b > 0 else S
+def fit_calibrated(samples: Sequence[tuple[Any, float]], *, name: str = "calibrated",
+                   attention_block: int = 256, sparse_block: int = 0, align: int = 1,
+                   relative: bool = True, **fields: Any) -> CalibratedCost:
+    """Fits CalibratedCost.coef to measured (plan, ms) samples by non-negative least squares.
 
-
-def calibration_features(degree: int, lengths: Sequence[int], budgets: Sequence[int | None] | None = None,
-                         shard_len: int = 0, block: int = 128, num_devices: int = 0) -> list[float]:
-    """(sum s^2 attn(s, k) / d, sum s / d, 1) of one group, its padding to `shard_len` tokens per
-    device (when > 0) counted as one more dense sequence, plus (num_devices - d) idle devices'
-    padding (S^2, S) each — the features `fit_per_degree` fits (CalibratedCost.group_times_ms)."""
-    lens = [int(n) for n in lengths]
-    bud = list(budgets) if budgets is not None else [None] * len(lens)
-    pad = int(degree) * int(shard_len) - sum(lens)
-    if shard_len and pad > 0:
-        lens, bud = lens + [pad], bud + [None]
-    quad = sum(float(n) * n * sparse_attention_fraction(n, b, block) for n, b in zip(lens, bud))
-    idle = max(0, int(num_devices) - int(degree)) if shard_len else 0
-    S = float(shard_len)
-    return [quad / degree + idle * S * S, float(sum(lens)) / degree + idle * S, 1.0]
-
-
-def fit_per_degree(samples: Sequence[tuple[int, Sequence[int], Sequence[int | None] | None, int, float]], *,
-                   name: str = "calibrated", block: int = 128, pad_to_buffers: bool = True,
-                   memory_limit_mb: float = float("inf"), states_mb: float = 0.0,
-                   act_per_token_mb: float = 0.0, source: str = "", num_devices: int = 0,
-                   attention_block: int = 0) -> CalibratedCost:
-    """Fits a1, a2, b1 per degree (non-negative least squares) from measured group times.
-
-    `samples`: (degree, lengths, budgets or None, shard_len, measured_ms) — one group of
-    `degree` devices holding `lengths` sharded, in buffers of `shard_len` tokens per device (0:
-    unpadded), measured at `measured_ms`. Features: `calibration_features` (padding included
-    when `pad_to_buffers`, and with `num_devices` the idle devices' padding). Communication is folded into the per-degree constants. The scalar
-    a1, a2, b1 are one fit over all samples, the fallback for degrees that were not measured."""
+    `relative`: minimise relative errors (each sample weighted by 1 / ms), so that short steps
+    count as much as long ones. `fields`: the other CalibratedCost fields (memory, source, ...)."""
     if not samples:
-        raise ValueError("fit_per_degree needs at least one (degree, lengths, budgets, shard_len, ms) sample")
-    by_degree: dict[int, tuple[list, list]] = {}
-    ab = int(attention_block) if pad_to_buffers else 0
-    for degree, lengths, budgets, shard_len, ms in samples:
-        shard_len = kernel_len(shard_len, ab)
-        x = calibration_features(degree, lengths, budgets, shard_len if pad_to_buffers else 0, block,
-                                 num_devices if pad_to_buffers else 0)
-        rows, ys = by_degree.setdefault(int(degree), ([], []))
-        rows.append(x)
-        ys.append(float(ms))
-    tables: dict[str, dict[int, float]] = {"a1": {}, "a2": {}, "b1": {}}
-    for d, (rows, ys) in sorted(by_degree.items()):
-        c = _nnls(np.asarray(rows), np.asarray(ys))
-        for key, v in zip(("a1", "a2", "b1"), c):
-            tables[key][d] = float(v)
-    all_rows = np.asarray([r for rows, _ in by_degree.values() for r in rows])
-    all_y = np.asarray([y for _, ys in by_degree.values() for y in ys])
-    c = _nnls(all_rows, all_y)
-    return CalibratedCost(name=name, a1=float(c[0]), a2=float(c[1]), b1=float(c[2]),
-                          memory_limit_mb=memory_limit_mb, states_mb=states_mb,
-                          act_per_token_mb=act_per_token_mb, block=block, source=source,
-                          a1_by_degree=tables["a1"], a2_by_degree=tables["a2"], b1_by_degree=tables["b1"],
-                          pad_to_buffers=pad_to_buffers, num_devices=num_devices if pad_to_buffers else 0,
-                          attention_block=ab)
+        raise ValueError("fit_calibrated needs at least one (plan, measured_ms) sample")
+    from jaxsb.planner.work import FEATURES
+
+    probe = CalibratedCost(name=name, a1=0.0, a2=0.0, b1=0.0, memory_limit_mb=float("inf"), states_mb=0.0,
+                           act_per_token_mb=0.0, attention_block=attention_block, sparse_block=sparse_block,
+                           align=align)
+    X = np.asarray([probe.work(plan) for plan, _ in samples])
+    y = np.asarray([float(ms) for _, ms in samples])
+    w = 1.0 / y if relative else np.ones_like(y)
+    c = _nnls(X * w[:, None], y * w)
+    fields.setdefault("memory_limit_mb", float("inf"))
+    fields.setdefault("states_mb", 0.0)
+    fields.setdefault("act_per_token_mb", 0.0)
+    return CalibratedCost(name=name, a1=0.0, a2=0.0, b1=0.0, coef=dict(zip(FEATURES, map(float, c))),
+                          attention_block=attention_block, sparse_block=sparse_block, align=align, **fields)
+
 
 
 # -------------------------------------------------------------------------------- presets
