@@ -30,6 +30,7 @@ from jaxsb.models import Llama
 from jaxsb.models.loss import next_token_loss
 from jaxsb.models.stats import pop_layer_stats
 from jaxsb.optim import learning_rate_schedule, make_optimizer
+from jaxsb.programs import ProgramCache
 
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 # Sections that must match when a run resumes in an existing workdir (train.* may change,
@@ -170,28 +171,16 @@ def make_train_step(graphdef, rest, tx) -> Callable:
     return train_step
 
 
-class StepCompiler:
+class StepCompiler(ProgramCache):
     """Compiles the train step once per batch shape (ahead of time) and counts programs."""
 
-    def __init__(self, step_fn, state_shardings, batch_sharding):
-        self._jitted = jax.jit(step_fn, donate_argnums=(0,),
-                               out_shardings=(state_shardings, None))
-        self._batch_sharding = batch_sharding
-        self._compiled: dict[tuple, Any] = {}
-        self.compile_seconds = 0.0
-
-    @property
-    def count(self) -> int:
-        return len(self._compiled)
+    def __init__(self, step_fn, state_shardings):
+        super().__init__()
+        self._jitted = jax.jit(step_fn, donate_argnums=(0,), out_shardings=(state_shardings, None))
 
     def get(self, state, batch_arrays) -> tuple[Any, bool]:
         key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch_arrays.items()))
-        if key in self._compiled:
-            return self._compiled[key], False
-        t0 = time.perf_counter()
-        self._compiled[key] = self._jitted.lower(state, batch_arrays).compile()
-        self.compile_seconds += time.perf_counter() - t0
-        return self._compiled[key], True
+        return self.get_or_compile(key, lambda: self._jitted, state, batch_arrays)
 
 
 def batch_to_device(batch: Batch, sharding) -> dict[str, jax.Array]:
@@ -227,7 +216,7 @@ class RowSteps:
     def __init__(self, data: DataIterator, state_shardings, graphdef, rest, tx, mesh):
         self.data = data
         self.sharding = mesh_lib.batch_sharding(mesh)
-        self.compiler = StepCompiler(make_train_step(graphdef, rest, tx), state_shardings, self.sharding)
+        self.compiler = StepCompiler(make_train_step(graphdef, rest, tx), state_shardings)
 
     def prepare(self, state, more: bool = True) -> PreparedStep:
         batch = self.data.next()

@@ -53,7 +53,7 @@ def _reference(cfg, graphdef, params, rest, seqs):
         s, c = next_token_loss(logits, ref["targets"], ref["loss_mask"])
         return s / c
 
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
 
 def _sparse_logits(model, ref):

@@ -148,7 +148,7 @@ def _run_ring(q, k, v, seg, pos, bud, ct, groups, grads=True, check_vma=False):
 
     if not grads:
         return loss_fn(q, k, v)[1], None
-    (_, aux), g = jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    (_, aux), g = jax.jit(jax.value_and_grad(loss_fn, argnums=(0, 1, 2), has_aux=True))(q, k, v)
     return aux, g
 
 
