@@ -2,7 +2,9 @@
 # Accelerator check for the Pallas kernels (cannot run on a CPU-only machine):
 #   1. the kernel test suites compiled for the device (TestFlashAttentionPallasCompiled,
 #      TestBlockSparseAttentionPallasCompiled, TestRingChunkPallasCompiled: the ring's chunk
-#      kernels and a ring over the devices at hand under shard_map(check_vma=True)) and, for
+#      kernels and a ring over the devices at hand under shard_map(check_vma=True)),
+#      TestRingSparsePallasCompiled (the chunk kernels with a block selection, as block-sparse
+#      ring rounds use them, and a sparse ring over the devices at hand) and, for
 #      comparison, the same assertions through the interpreter (the 8-device ring tests skip
 #      unless the machine has 8 devices);
 #   2. a small timing table: pallas vs xla vs jax.nn.dot_product_attention, causal, bf16,
@@ -31,10 +33,12 @@ assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
 
 echo "== compiled kernels =="
 "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py -k "Compiled" -rs
+  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py \
+  tests/test_ring_sparse_pallas.py -k "Compiled" -rs
 echo "== same suites, interpreted, on the device backend =="
 "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py -k "not Compiled"
+  tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py \
+  tests/test_ring_sparse_pallas.py -k "not Compiled"
 
 echo "== timing (seconds, best of ${REPEATS:-5}) =="
 HEADS="${HEADS:-8}" KV_HEADS="${KV_HEADS:-2}" HEAD_DIM="${HEAD_DIM:-128}" \

@@ -12,7 +12,8 @@ sequence-parallel attention:
     (kernels_pallas/flash_attention/chunk.py): its Pallas kernels on GPU with
     `model.attention=flash`, its XLA version otherwise (`ring_sparse.ring_sparse_attention`
     for routed block-sparse attention: pooled key blocks go round first, then only the
-    selected blocks of each visiting K/V shard are computed);
+    selected blocks of each visiting K/V shard are computed, by the chunk op's Pallas kernels
+    with a block selection on GPU and ring_sparse's XLA code elsewhere, like sparse_attend);
   * ulysses micro-batches (every group of one degree d) run on the same devices viewed as a
     (N/d, d) mesh: `jaxsb.parallel.ulysses.ulysses_attention` (all-to-all over "sp");
   * local micro-batches (all groups of degree 1) need no communication;
@@ -111,9 +112,10 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             from jaxsb.parallel.ring_sparse import ring_sparse_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
+            # "auto", as sparse_attend's block_sparse_attention: Pallas rounds on GPU, XLA elsewhere
             out, blocks, coverage = ring_sparse_attention(
                 qa, ka, va, sa, pos_BxT[:, :S], budgets_BxT[:, :S], axis_name=AXIS, groups=groups,
-                block_size=model_cfg.sparse.block_size)
+                block_size=model_cfg.sparse.block_size, implementation="auto")
             stats.append((blocks, coverage, jnp.sum(sa > 0)))
         elif mb.scheme == "ring":
             from jaxsb.parallel.ring import ring_attention

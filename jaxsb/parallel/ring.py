@@ -328,8 +328,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def _check(q, k, v, seg, pos, axis_name, groups, block, implementation: str = "xla",
            interpret: bool | None = None) -> RingConfig:
-    """Argument checks and the static RingConfig (ring_sparse.py reuses this with its own
-    kernels, hence the "xla" default: no Pallas block rules for it)."""
+    """Argument checks and the static RingConfig (ring_sparse.py reuses this: with its own
+    XLA rounds under the "xla" default, or with the Pallas chunk and its block rules)."""
     if not q.dtype == k.dtype == v.dtype:
         raise ValueError(f"q, k and v must share a dtype: {q.dtype=} {k.dtype=} {v.dtype=}")
     B, T, _, _, _ = check_qkv(q, k, v, None)

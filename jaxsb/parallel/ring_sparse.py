@@ -33,6 +33,14 @@ laid out in one row (each document starting on a block boundary):
    Backward (custom_vjp): the same trip and iterations, FlashAttention-2 style from the saved
    log-sum-exp; dq accumulates locally, the visiting shard's dk|dv accumulator is
    scatter-added (duplicate block choices add up) and travels back to its owner.
+   That is implementation="xla" (this module's code, any backend). With "pallas" each round
+   is instead one call of the ring's chunk op (kernels_pallas/flash_attention/chunk.py) on its
+   Pallas kernels, blocks = the routing blocks, with the round's block selection
+   `select[b, k, n, j]` = "query block n chose local block j of the visiting shard": the
+   kernels turn every unselected pair into SKIP per kv head and never load those blocks;
+   rounds merge their (out, lse) with merge_chunks and the backward runs chunk_backward from
+   the global lse, as ring.py does. "auto" (the executor's choice, as sparse_attend's) is
+   Pallas on GPU and XLA elsewhere. The routing is the same code for both.
 
 Assumptions (the layout guarantees them): positions increase along a document (the causal
 mask uses pos_k <= pos_q), real segment ids are unique per document within a group, and a
@@ -49,6 +57,7 @@ means. A device without real tokens returns 0 for both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -59,6 +68,9 @@ from jax import lax
 
 from jaxsb.parallel.ring import RingConfig, _check as _ring_check, _full, _ring_loop
 from kernels_pallas.common import HI, NEG
+from kernels_pallas.flash_attention.chunk import (backward_with_plan, forward_with_plan,
+                                                  merge_chunks)
+from kernels_pallas.flash_attention.chunk_tables import make_chunk_plan
 
 _NO_OWNER = -1  # sorted slots past a query block's count
 
@@ -229,16 +241,22 @@ class _Visit:
         return li, self.kb[self.bi, self.ki, li], self.vb[self.bi, self.ki, li], mask[:, :, :, None]
 
 
+def _ride(k, v, seg, pos, cfg: RingConfig):
+    """What travels: k|v packed, (seg, pos) packed and the owner's ring rank."""
+    rank, _ = _rank_degree(cfg)
+    return jnp.concatenate([k, v], axis=2), jnp.stack([seg, pos], axis=-1), rank.reshape(1)
+
+
 def _prepare(q, k, v, seg, pos, cfg: RingConfig):
     B, T, H, D = q.shape
     bs = cfg.block
-    rank, _ = _rank_degree(cfg)
-    ride = (jnp.concatenate([k, v], axis=2), jnp.stack([seg, pos], axis=-1), rank.reshape(1))
+    ride = _ride(k, v, seg, pos, cfg)
     qb = _q_blocks(q, k.shape[2], bs) * (1.0 / math.sqrt(D))
     return qb, seg.reshape(B, T // bs, bs), pos.reshape(B, T // bs, bs), ride
 
 
-def _forward(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
+def _forward_xla(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
+    """(out in q's dtype, lse [B,K,nb,G,bs]) of the whole ring, XLA rounds."""
     qb, sq, pq, ride = _prepare(q, k, v, seg, pos, cfg)
 
     def step(active, _local, ride, _acc, state):
@@ -264,17 +282,8 @@ def _forward(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
     return out, m + jnp.log(l)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
-def _sparse_ring(q, k, v, seg, pos, s_owner, s_local, cfg):
-    return _forward(q, k, v, seg, pos, s_owner, s_local, cfg)[0]
-
-
-def _sparse_ring_fwd(q, k, v, seg, pos, s_owner, s_local, cfg):
-    out, lse = _forward(q, k, v, seg, pos, s_owner, s_local, cfg)
-    return out, (q, k, v, seg, pos, s_owner, s_local, out, lse)
-
-
-def _sparse_ring_bwd(cfg: RingConfig, res, do):
+def _backward_xla(cfg: RingConfig, res, do):
+    """(dq, dk, dv) of the whole ring, XLA rounds."""
     q, k, v, seg, pos, s_owner, s_local, out, lse = res
     K, bs = k.shape[2], cfg.block
     qb, sq, pq, ride = _prepare(q, k, v, seg, pos, cfg)
@@ -304,8 +313,87 @@ def _sparse_ring_bwd(cfg: RingConfig, res, do):
     zeros_kv = _full(qb, (B, K, T // bs, bs, k.shape[3]))
     (dk, dv), dq = _ring_loop(cfg, step, ride, (zeros_kv, zeros_kv), _full(qb, qb.shape))
     dq = (_from_q_blocks(dq) * (1.0 / math.sqrt(q.shape[3]))).astype(q.dtype)
-    return (dq, _from_kv_blocks(dk).astype(k.dtype), _from_kv_blocks(dv).astype(v.dtype),
-            None, None, None, None)
+    return dq, _from_kv_blocks(dk).astype(k.dtype), _from_kv_blocks(dv).astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------- Pallas rounds
+
+
+def _selection(s_owner, s_local, origin, active, nb: int):
+    """bool [B, K, nb, nb]: local query block n reads local block j of the visiting shard
+    (ring rank `origin`'s) in this round; all False when the round is idle."""
+    B, K, nq, _ = s_local.shape
+    col = jnp.where((s_owner == origin) & active, s_local, nb)  # other owners: a spare column
+    sel = lax.full_like(s_owner, False, jnp.bool_, (B, K, nq, nb + 1))
+    bi, ki, ni = (jnp.arange(n).reshape(shape) for n, shape in
+                  ((B, (B, 1, 1, 1)), (K, (1, K, 1, 1)), (nq, (1, 1, nq, 1))))
+    return sel.at[bi, ki, ni, col].set(True)[..., :nb]
+
+
+def _round(cfg: RingConfig, q, local: bool, active, ride, s_owner, s_local):
+    """One round's chunk plan (blocks = the routing blocks), the visiting (k, v, seg, pos)
+    and the round's block selection."""
+    kv, sp, origin = ride
+    K = kv.shape[2] // 2
+    T, D = q.shape[1], q.shape[3]
+    plan = make_chunk_plan(T, T, D, cfg.block, cfg.block, local, pallas=True,
+                           interpret=cfg.interpret)
+    sel = _selection(s_owner, s_local, origin[0], active, T // cfg.block)
+    return plan, (kv[:, :, :K], kv[:, :, K:], sp[..., 0], sp[..., 1]), sel
+
+
+def _forward_pallas(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
+    """(out in q's dtype, lse [B,T,H]): each round one chunk call whose selection turns every
+    unselected (query block, key block) pair into SKIP; rounds merge as in ring.py."""
+
+    def step(active, local, ride, _, state):
+        plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
+                                                      s_local)
+        out_r, lse_r = forward_with_plan("pallas", plan, q, k_r, v_r, seg, pos, seg_r, pos_r,
+                                         active, sel)
+        return None, merge_chunks(*state, out_r, lse_r)
+
+    state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
+    _, (out, lse) = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), None, state)
+    return out.astype(q.dtype), lse
+
+
+def _backward_pallas(cfg: RingConfig, res, do):
+    """(dq, dk, dv): the same rounds and selections, chunk_backward from the global lse."""
+    q, k, v, seg, pos, s_owner, s_local, out, lse = res
+    B, T, K, D = k.shape
+    delta = (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # rowsum(dO * O)
+
+    def step(active, local, ride, dkv, dq):
+        plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
+                                                      s_local)
+        dq_r, dk_r, dv_r = backward_with_plan("pallas", plan, q, k_r, v_r, seg, pos, seg_r,
+                                              pos_r, do, lse, delta, active, sel)
+        return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
+
+    dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), _full(k, (B, T, 2 * K, D)),
+                         _full(q, q.shape))  # dkv is home
+    return dq.astype(q.dtype), dkv[:, :, :K].astype(k.dtype), dkv[:, :, K:].astype(v.dtype)
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+_FORWARD = {"xla": _forward_xla, "pallas": _forward_pallas}
+_BACKWARD = {"xla": _backward_xla, "pallas": _backward_pallas}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7,))
+def _sparse_ring(q, k, v, seg, pos, s_owner, s_local, cfg):
+    return _FORWARD[cfg.implementation](q, k, v, seg, pos, s_owner, s_local, cfg)[0]
+
+
+def _sparse_ring_fwd(q, k, v, seg, pos, s_owner, s_local, cfg):
+    out, lse = _FORWARD[cfg.implementation](q, k, v, seg, pos, s_owner, s_local, cfg)
+    return out, (q, k, v, seg, pos, s_owner, s_local, out, lse)
+
+
+def _sparse_ring_bwd(cfg: RingConfig, res, do):
+    return (*_BACKWARD[cfg.implementation](cfg, res, do), None, None, None, None)
 
 
 _sparse_ring.defvjp(_sparse_ring_fwd, _sparse_ring_bwd)
@@ -314,18 +402,21 @@ _sparse_ring.defvjp(_sparse_ring_fwd, _sparse_ring_bwd)
 # ----------------------------------------------------------------------------- public
 
 
-def _check(q, k, v, seg, pos, budgets, axis_name, groups, block_size, max_blocks):
+def _check(q, k, v, seg, pos, budgets, axis_name, groups, block_size, max_blocks,
+           implementation="xla", interpret=None):
     if isinstance(block_size, bool) or not isinstance(block_size, int) or block_size < 1:
         raise ValueError(f"block_size={block_size!r} must be a positive int")
-    cfg = _ring_check(q, k, v, seg, pos, axis_name, groups, block_size)
     B, T = seg.shape
     if T % (2 * block_size):
         raise ValueError(f"tokens per device T={T} must be a multiple of 2*block_size="
                          f"{2 * block_size} (two zigzag chunks of whole blocks)")
+    # the Pallas chunk's blocks are the routing blocks (compiled: a power of two >= 16)
+    cfg = _ring_check(q, k, v, seg, pos, axis_name, groups, block_size, implementation,
+                      interpret)
     if tuple(jnp.shape(budgets)) != (B, T) or not jnp.issubdtype(jnp.asarray(budgets).dtype, jnp.integer):
         raise ValueError(f"budgets_BxT must be integer (B, T)={(B, T)}, got shape "
                          f"{tuple(jnp.shape(budgets))} dtype {jnp.asarray(budgets).dtype}")
-    cfg = RingConfig(cfg.axis_name, cfg.groups, block_size)
+    cfg = dataclasses.replace(cfg, block=block_size)
     stream_blocks = 2 * cfg.max_degree * (T // (2 * block_size))
     if max_blocks is None:
         max_blocks = stream_blocks
@@ -348,6 +439,8 @@ def ring_sparse_attention(
     groups: tuple[tuple[int, int], ...],
     block_size: int,
     max_blocks: int | None = None,
+    implementation: str = "auto",
+    interpret: bool | None = None,
 ):
     """Routed block-sparse causal document attention over ring groups (inside shard_map).
 
@@ -359,9 +452,15 @@ def ring_sparse_attention(
     mean selected blocks, mean coverage), the statistics float32 scalars weighted by real
     tokens. Differentiable in q, k, v through the attention (the selection is not), ring
     backward; differentiate outside the shard_map when check_vma=False (see ring_attention).
+
+    `implementation`: "xla" (this module's gather loops), "pallas" (each round one call of the
+    chunk op's Pallas kernels with the round's block selection; compiled, block_size must be a
+    power of two >= 16) or "auto" (Pallas on GPU, XLA elsewhere, as block_sparse_attention
+    picks); `interpret` (Pallas only): None = the interpreter iff the backend is CPU, which
+    needs shard_map(check_vma=False), as for ring_attention.
     """
     cfg, max_blocks = _check(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg_BxT, pos_BxT, budgets_BxT,
-                             axis_name, groups, block_size, max_blocks)
+                             axis_name, groups, block_size, max_blocks, implementation, interpret)
     seg = seg_BxT.astype(jnp.int32)
     pos = pos_BxT.astype(jnp.int32)
     s_owner, s_local, blocks, coverage = _route(q_BxTxHxD, k_BxTxKxD, seg, budgets_BxT, cfg, max_blocks)

@@ -16,6 +16,9 @@ pairs are computed only when `local`, see chunk_tables), ids < 0 are reserved.
   attention_chunk -> (out in q's dtype, lse), differentiable in q, k, v (custom_vjp; the
                      lse cotangent folds into delta: d lse / d s = p).
 
+`select` (Pallas only, optional): bool [B, K, nq, nk] under the chunk's blocking, the block
+pairs each row and kv head computes at all (block-sparse ring rounds); the others are SKIP.
+
 `active` (a traced bool is fine) turns all work off: every block pair is SKIP, the outputs are
 out 0 / lse NEG and zero gradients; a ring device whose ring has no round r uses it, so no
 collective sits under a conditional. `local` says q and k are the same tokens (round 0).
@@ -93,36 +96,64 @@ def _setup(q, k, local, implementation, block_q, block_k, interpret) -> tuple[st
     return implementation, plan
 
 
+def _with_select(implementation: str, select):
+    """kwargs passing a block selection on; the XLA chunk has none (its table is shared by
+    the batch, and jaxsb/parallel/ring_sparse.py keeps its own XLA rounds)."""
+    if select is None:
+        return {}
+    if implementation != "pallas":
+        raise ValueError(f"a block selection needs implementation='pallas', got {implementation=} "
+                         "(the XLA block-sparse ring is jaxsb.parallel.ring_sparse's own code)")
+    return {"select": select}
+
+
 def forward_with_plan(implementation: str, plan: ChunkPlan, q, k, v, seg_q, pos_q, seg_k,
-                      pos_k, active=True):
+                      pos_k, active=True, select=None):
     """chunk_forward for a resolved implementation ("xla" | "pallas") and a made plan
     (chunk_tables.make_chunk_plan), without argument checks: for callers that resolved them
-    once (ring.py), and for lowering compiled kernels on a host without the accelerator."""
-    return _FORWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan)
+    once (ring.py, ring_sparse.py), and for lowering compiled kernels on a host without the
+    accelerator."""
+    return _FORWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan,
+                                    **_with_select(implementation, select))
 
 
 def backward_with_plan(implementation: str, plan: ChunkPlan, q, k, v, seg_q, pos_q, seg_k,
-                       pos_k, do, lse, delta, active=True):
+                       pos_k, do, lse, delta, active=True, select=None):
     """chunk_backward counterpart of forward_with_plan."""
     return _BACKWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta,
-                                     active, plan)
+                                     active, plan, **_with_select(implementation, select))
+
+
+def _check_select(select, q, k, plan: ChunkPlan):
+    if select is None:
+        return None
+    shape = (q.shape[0], k.shape[2], plan.nq, plan.nk)
+    if tuple(jnp.shape(select)) != shape or jnp.asarray(select).dtype != jnp.bool_:
+        raise ValueError(f"select must be a bool [B, K, nq, nk]={shape} array (blocks "
+                         f"{plan.bq}x{plan.bk}), got shape {tuple(jnp.shape(select))} "
+                         f"dtype {jnp.asarray(select).dtype}")
+    return select
 
 
 def chunk_forward(q, k, v, seg_q, pos_q, seg_k, pos_k, *, local: bool = False, active=True,
                   implementation: str = "auto", block_q: int | None = None,
-                  block_k: int | None = None, interpret: bool | None = None):
-    """(out float32 [B, Lq, H, D], lse float32 [B, Lq, H]) of q against this k/v chunk."""
+                  block_k: int | None = None, interpret: bool | None = None, select=None):
+    """(out float32 [B, Lq, H, D], lse float32 [B, Lq, H]) of q against this k/v chunk.
+    `select` (Pallas only): bool [B, K, nq, nk], the (query block, key block) pairs of each
+    row and kv head to compute at all; the others are SKIP (never computed nor loaded)."""
     _check(q, k, v, seg_q, pos_q, seg_k, pos_k)
     impl, plan = _setup(q, k, local, implementation, block_q, block_k, interpret)
-    return forward_with_plan(impl, plan, q, k, v, seg_q, pos_q, seg_k, pos_k, active)
+    return forward_with_plan(impl, plan, q, k, v, seg_q, pos_q, seg_k, pos_k, active,
+                             _check_select(select, q, k, plan))
 
 
 def chunk_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, *, local: bool = False,
                    active=True, implementation: str = "auto", block_q: int | None = None,
-                   block_k: int | None = None, interpret: bool | None = None):
+                   block_k: int | None = None, interpret: bool | None = None, select=None):
     """float32 (dq [B, Lq, H, D], dk, dv [B, Lk, K, D]) of this chunk pair for the output
     cotangent do [B, Lq, H, D], the global lse [B, Lq, H] and delta = rowsum(do * out)
-    [B, Lq, H] of the merged output (minus the lse cotangent, if any)."""
+    [B, Lq, H] of the merged output (minus the lse cotangent, if any); `select` as in
+    chunk_forward."""
     _check(q, k, v, seg_q, pos_q, seg_k, pos_k)
     B, Lq, H, _ = q.shape
     for name, x, shape in (("do", do, q.shape), ("lse", lse, (B, Lq, H)),
@@ -131,7 +162,7 @@ def chunk_backward(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, *, local
             raise ValueError(f"{name}.shape={tuple(x.shape)} must be {tuple(shape)}")
     impl, plan = _setup(q, k, local, implementation, block_q, block_k, interpret)
     return backward_with_plan(impl, plan, q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta,
-                              active)
+                              active, _check_select(select, q, k, plan))
 
 
 def merge_chunks(out_a, lse_a, out_b, lse_b):

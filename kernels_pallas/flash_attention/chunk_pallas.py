@@ -10,9 +10,12 @@ What differs from the flash kernels is the mask: per token (segment id, position
 sides, query i sees key j iff seg_q[i] == seg_k[j] and pos_k[j] <= pos_q[i], so any token
 order works; block indices say nothing about causality here.
 
-Work skipping, per batch row: `chunk_tables` summarises each block by its (id, position)
-ranges outside the kernels and derives the [B, nq, nk] SKIP / FULL / PARTIAL table and, per
-query block (key block), the [first, last + 1) range of key (query) blocks that are not SKIP.
+Work skipping, per batch row and kv head: `chunk_tables` summarises each block by its (id,
+position) ranges outside the kernels and derives the [B, nq, nk] SKIP / FULL / PARTIAL table,
+repeated per kv head ([B, K, nq, nk]; a program of query head h reads row h // G) and, given a
+block selection `select` [B, K, nq, nk] (block-sparse ring rounds, jaxsb/parallel/ring_sparse.py),
+SKIP wherever it is False; then, per query block (key block), the [first, last + 1) range of
+key (query) blocks that are not SKIP.
 A program loops over that range only and a `lax.switch` on the pair's kind skips SKIP pairs
 inside it, leaves the mask out of FULL pairs and masks PARTIAL ones; skipped blocks are never
 loaded. A device whose ring round is idle passes active=False: every pair is SKIP and every
@@ -189,14 +192,20 @@ def _rows(x_BxLxH, Lp):
     return pad_axis(x_BxLxH.astype(jnp.float32), 1, Lp).transpose(0, 2, 1)
 
 
-def _tables(seg_q, pos_q, seg_k, pos_k, active, plan: ChunkPlan):
-    """Padded ids and positions and the per-row kinds [B, nq, nk] (see chunk_tables)."""
+def _tables(seg_q, pos_q, seg_k, pos_k, active, plan: ChunkPlan, K: int, select=None):
+    """Padded ids and positions and the kinds per row and kv head [B, K, nq, nk] (see
+    chunk_tables): the row's kinds for every kv head, SKIP where `select` [B, K, nq, nk]
+    (bool, optional) leaves a pair out."""
     sq, pq = tables.pad_ids(seg_q, pos_q, plan.Lqp, tables.Q_FILL)
     sk, pk = tables.pad_ids(seg_k, pos_k, plan.Lkp, tables.K_FILL)
     allowed, full = tables.pair_flags(tables.block_summaries(sq, pq, plan.bq),
                                       tables.block_summaries(sk, pk, plan.bk),
                                       plan.bq, plan.bk, plan.local)
-    return (sq, pq, sk, pk), tables.row_kinds(allowed, full, active)
+    kinds = tables.row_kinds(allowed, full, active)[:, None]
+    B, _, nq, nk = kinds.shape
+    if select is None:
+        return (sq, pq, sk, pk), jnp.broadcast_to(kinds, (B, K, nq, nk))
+    return (sq, pq, sk, pk), jnp.where(select, kinds, SKIP).astype(jnp.int32)
 
 
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, plan: ChunkPlan):
@@ -206,12 +215,14 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, plan: ChunkPlan):
         name=name)
 
 
-def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan: ChunkPlan):
-    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair."""
+def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan: ChunkPlan,
+                         select=None):
+    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair (only the
+    block pairs `select` [B, K, nq, nk] keeps, if given)."""
     B, _, H, _ = q.shape
     G = H // k.shape[2]
     bq, Dp, Lkp, nk = plan.bq, plan.Dp, plan.Lkp, plan.nk
-    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, plan)
+    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, plan, k.shape[2], select)
     qt, kt, vt = _layout(q, plan.Lqp, plan), _layout(k, Lkp, plan), _layout(v, Lkp, plan)
     q_ids = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
     k_ids = pl.BlockSpec((None, Lkp), lambda b, h, i: (b, 0))
@@ -219,8 +230,8 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan: Chun
     o, lse = _call(
         functools.partial(_fwd_kernel, plan=plan), "ring_chunk_fwd", (B, H, plan.nq),
         [
-            pl.BlockSpec((None, None, nk), lambda b, h, i: (b, i, 0)),  # kinds row
-            pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),  # key-block range
+            pl.BlockSpec((None, None, None, nk), lambda b, h, i: (b, h // G, i, 0)),  # kinds row
+            pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),  # key range
             q_ids, q_ids, k_ids, k_ids,
             pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
             kv, kv,
@@ -237,16 +248,17 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan: Chun
 
 
 def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                          plan: ChunkPlan):
+                          plan: ChunkPlan, select=None):
     """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
-    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries."""
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
     bq, bk, Dp, Lqp, Lkp, nq, nk = plan.bq, plan.bk, plan.Dp, plan.Lqp, plan.Lkp, plan.nq, plan.nk
-    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, plan)
+    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, plan, K, select)
+    kinds_t = kinds.transpose(0, 1, 3, 2)  # [B, K, nk, nq]: per key block
     k_range = tables.visit_ranges(kinds)
-    q_range = tables.visit_ranges(kinds.transpose(0, 2, 1))
+    q_range = tables.visit_ranges(kinds_t)
     qt, kt, vt = _layout(q, Lqp, plan), _layout(k, Lkp, plan), _layout(v, Lkp, plan)
     dot_ = _layout(do, Lqp, plan)  # fill rows and columns get a zero cotangent
     lse_t, delta_t = _rows(lse, Lqp), _rows(delta, Lqp)  # fill rows: never unmasked
@@ -259,8 +271,8 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
     dq = _call(
         functools.partial(_dq_kernel, plan=plan), "ring_chunk_dq", (B, H, nq),
         [
-            pl.BlockSpec((None, None, nk), lambda b, h, i: (b, i, 0)),
-            pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, None, None, nk), lambda b, h, i: (b, h // G, i, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),
             q_ids, q_ids, k_ids, k_ids, q_blk, kv_all, kv_all, q_blk, q_row, q_row,
         ],
         q_blk, _out_struct((B, H, Lqp, Dp), jnp.float32, qt), plan,
@@ -276,14 +288,14 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
     dk, dv = _call(
         functools.partial(_dkv_kernel, plan=plan, G=G), "ring_chunk_dkv", (B, K, nk),
         [
-            pl.BlockSpec((None, None, nq), lambda b, h, j: (b, j, 0)),
-            pl.BlockSpec((None, None, 2), lambda b, h, j: (b, j, 0)),
+            pl.BlockSpec((None, None, None, nq), lambda b, h, j: (b, h, j, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda b, h, j: (b, h, j, 0)),
             q_all_ids, q_all_ids, k_blk_ids, k_blk_ids,
             q_all, kv_blk, kv_blk, q_all, rows_all, rows_all,
         ],
         [kv_blk, kv_blk],
         [_out_struct((B, K, Lkp, Dp), jnp.float32, kt)] * 2,
         plan,
-    )(kinds.transpose(0, 2, 1), q_range, *ids, grouped(qt), kt, vt, grouped(dot_),
+    )(kinds_t, q_range, *ids, grouped(qt), kt, vt, grouped(dot_),
       grouped(lse_t), grouped(delta_t))
     return _unlayout(dq, plan.Lq, plan), _unlayout(dk, plan.Lk, plan), _unlayout(dv, plan.Lk, plan)
