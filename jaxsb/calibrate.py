@@ -25,13 +25,14 @@ model states at 16 bytes per parameter over the devices, activations per token f
 compiled programs' memory analysis, limit = half the host memory per device.
 
 Grid (`--lengths` are tokens *per device*: a group of degree d holds one sequence of d·n
-tokens): the fit shapes are every degree x length; the held-out shapes, never fitted, are
-every degree x `--holdout` length (a buffer size between the fitted ones) and, per degree, three
-sequences filling about 80% of the largest buffer. With sparse attention, every degree also
-gets one fit shape and one held-out shape per `--budgets` entry at the largest length (budgets
-are data: no new compile). A dense model's step does not depend on budgets, so a dense
-calibration is dense-only and the attention term's sparse scaling is the formula's
-(`sparse_attention_fraction`).
+tokens): the fit shapes are every degree x length plus, per degree, two sequences filling
+about 80% of the largest buffer (documents packed in one buffer: the masked work); the
+held-out shapes, never fitted, are every degree x `--holdout` length (a buffer size between
+the fitted ones) and, per degree, three other sequences filling about 80% of the largest
+buffer. With sparse attention, every degree also gets one fit shape and one held-out shape per
+`--budgets` entry at the largest length (budgets are data: no new compile). A dense model's
+step does not depend on budgets, so a dense calibration is dense-only (the work counts then
+price block-sparse plans by their routed blocks).
 
 Prints the table of measured vs fitted ms and the held-out error; writes the preset JSON
 (`--out`, default jaxsb/planner/presets/cpu.json; training reads it with
@@ -58,7 +59,8 @@ LENGTHS = (128, 256, 512)  # tokens per device: buffer buckets, compiled once ea
 HOLDOUT = (384,)
 BUDGETS = (2, 4)
 REPEATS = 7
-QUICK = dict(degrees=(1, 8), lengths=(128, 256, 512), holdout=(384,), budgets=(2,), repeats=5)
+QUICK = dict(degrees=(1, 8), lengths=(128, 256, 512), holdout=(384,), budgets=(2,), repeats=7)
+FIT_FILL = (0.6, 0.2)  # a fitted mixed shape: two sequences, ~80% of the largest buffer
 FILL = (0.45, 0.25, 0.10)  # the held-out mixed shape: three sequences, ~80% of the buffer
 
 
@@ -96,6 +98,7 @@ def make_grid(degrees: Sequence[int], lengths: Sequence[int], holdout: Sequence[
     shapes = []
     for d in degrees:
         shapes += [Shape(d, (d * n,)) for n in lengths]
+        shapes.append(Shape(d, tuple(max(1, int(d * top * f)) for f in FIT_FILL)))
         shapes += [Shape(d, (d * top,), (b,)) for b in budgets]
     for d in degrees:
         shapes += [Shape(d, (d * n,), held_out=True) for n in holdout]
@@ -251,7 +254,7 @@ def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] =
                          source=source, num_devices=n, serial_devices=True,
                          measurements=[dict(degree=m.shape.degree, lengths=list(m.shape.lengths),
                                             budgets=None if m.shape.budgets is None else list(m.shape.budgets),
-                                            held_out=m.shape.held_out, ms=round(m.ms, 3),
+                                            held_out=m.shape.held_out, ms=m.ms,
                                             all_ms=[round(t, 3) for t in m.all_ms]) for m in rows])
     for m in rows:
         m.predicted_ms = fit.plan_time_ms(timer.plan(m.shape))
