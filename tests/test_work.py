@@ -10,9 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsb.parallel.layout import SeqData, layout_microbatch
+from jaxsb.parallel.layout import layout_microbatch
 from jaxsb.planner.plan import GroupSpec, build_plan
-from jaxsb.planner.work import FEATURES, microbatch_work, plan_work
+from jaxsb.planner.work import FEATURES, microbatch_work, placeholder_sequences, plan_work
 from jaxsb.router import route
 from kernels_pallas.flash_attention import chunk_tables as tables
 from kernels_pallas.flash_attention.xla import PARTIAL, SKIP, block_kinds, make_plan
@@ -53,9 +53,7 @@ def routed_blocks(seg, pos, budgets, block):
 
 def kernel_pairs(plan, m, block, sparse=False, align=1):
     """[computed, masked] token pairs of micro-batch m, from the kernels' own tables."""
-    seqs = [SeqData(np.zeros(n, np.int32), np.zeros(n, np.int32), np.ones(n, np.float32),
-                    np.arange(n, dtype=np.int32)) for n in plan.lengths]
-    buf = layout_microbatch(plan, m, seqs, align=align, default_budget=1)
+    buf = layout_microbatch(plan, m, placeholder_sequences(plan.lengths), align=align, default_budget=1)
     seg, pos, bud = buf["segment_ids"], buf["positions"], buf["budgets"]
     mb = plan.template.microbatches[m]
     S, L = mb.shard_len, mb.local_len

@@ -452,12 +452,10 @@ def fit_calibrated(samples: Sequence[tuple[Any, float]], *, name: str = "calibra
     count as much as long ones. `fields`: the other CalibratedCost fields (memory, source, ...)."""
     if not samples:
         raise ValueError("fit_calibrated needs at least one (plan, measured_ms) sample")
-    from jaxsb.planner.work import FEATURES
+    from jaxsb.planner.work import FEATURES, plan_work
 
-    probe = CalibratedCost(name=name, a1=0.0, a2=0.0, b1=0.0, memory_limit_mb=float("inf"), states_mb=0.0,
-                           act_per_token_mb=0.0, attention_block=attention_block, sparse_block=sparse_block,
-                           align=align)
-    X = np.asarray([probe.work(plan) for plan, _ in samples])
+    X = np.asarray([plan_work(plan, attention_block=attention_block, sparse_block=sparse_block, align=align)
+                    for plan, _ in samples])
     y = np.asarray([float(ms) for _, ms in samples])
     w = 1.0 / y if relative else np.ones_like(y)
     c = _nnls(X * w[:, None], y * w)

@@ -105,20 +105,30 @@ def _count(computed: np.ndarray, full: np.ndarray, block: int) -> np.ndarray:
     return np.array([computed.sum(), (computed & ~full).sum()], np.int64) * block * block
 
 
+def placeholder_sequences(lengths) -> list:
+    """Sequences of the given lengths whose only meaningful field is their positions: what the
+    layout needs to place segment ids and positions."""
+    from jaxsb.parallel.layout import SeqData
+
+    out = []
+    for n in lengths:
+        z = np.zeros(n, np.int32)
+        out.append(SeqData(z, z, np.ones(n, np.float32), np.arange(n, dtype=np.int32)))
+    return out
+
+
 def microbatch_work(plan: Plan, m: int, *, attention_block: int, sparse_block: int = 0,
-                    align: int = 1) -> dict[str, float]:
+                    align: int = 1, seqs: list | None = None) -> dict[str, float]:
     """The FEATURES of micro-batch m (see the module docstring). `sparse_block` > 0: the model
     attends block-sparse with blocks of that many tokens (and the plan's budgets); otherwise
-    dense attention in blocks of `attention_block`."""
-    from jaxsb.parallel.layout import SeqData, layout_microbatch
+    dense attention in blocks of `attention_block`. `seqs`: placeholder_sequences of the plan's
+    lengths, when the caller already has them."""
+    from jaxsb.parallel.layout import layout_microbatch
 
     mb = plan.template.microbatches[m]
     N, S, L = plan.template.num_devices, mb.shard_len, mb.local_len
-    seqs = []
-    for n in plan.lengths:
-        z = np.zeros(n, np.int32)
-        seqs.append(SeqData(z, z, np.ones(n, np.float32), np.arange(n, dtype=np.int32)))
-    buf = layout_microbatch(plan, m, seqs, align=align, default_budget=1)
+    buf = layout_microbatch(plan, m, seqs if seqs is not None else placeholder_sequences(plan.lengths),
+                            align=align, default_budget=1)
     seg, pos, bud = (buf[f].astype(np.int64) for f in ("segment_ids", "positions", "budgets"))
     nseg = len(plan.lengths) + 1
     block = sparse_block or attention_block
@@ -164,7 +174,8 @@ def microbatch_work(plan: Plan, m: int, *, attention_block: int, sparse_block: i
 def plan_work(plan: Plan, **kw) -> np.ndarray:
     """[FEATURES] summed over the plan's micro-batches."""
     total = np.zeros(len(FEATURES))
+    seqs = placeholder_sequences(plan.lengths)  # once for all micro-batches
     for m in range(len(plan.template.microbatches)):
-        w = microbatch_work(plan, m, **kw)
+        w = microbatch_work(plan, m, seqs=seqs, **kw)
         total += [w[f] for f in FEATURES]
     return total
