@@ -8,9 +8,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# "auto" picks Pallas only where the kernels are expected to lower: the GPU (Triton) path.
-# On TPU, Mosaic wants the block tables as scalar-prefetch (SMEM) operands, which the Pallas
-# kernels do not do yet, so "auto" stays on XLA there; implementation="pallas" still tries.
+# "auto" picks Pallas only where the kernels have been compiled: the GPU (Triton) path. On TPU
+# implementation="pallas" runs the Mosaic kernels (mosaic.py), which lower to Mosaic but have
+# not yet been compiled by a TPU's libtpu, so "auto" stays on XLA there until they have.
 AUTO_PALLAS_BACKENDS = ("gpu",)
 PALLAS_BACKENDS = ("gpu", "tpu")
 
@@ -84,6 +84,13 @@ def resolve_implementation(implementation: str, interpret: bool | None) -> tuple
             "pass interpret=True (or None) to use the Pallas interpreter"
         )
     return implementation, bool(interpret)
+
+
+def pallas_target() -> str:
+    """Which Pallas kernels implementation="pallas" runs: "mosaic" (mosaic.py, TPU layout and
+    scalar prefetch) on a TPU backend, else "triton" (the GPU kernels; on a CPU host they run
+    in the interpreter)."""
+    return "mosaic" if jax.default_backend() == "tpu" else "triton"
 
 
 def triton_compiler_params(interpret: bool):

@@ -4,8 +4,9 @@ implementation:
   "xla"       gather attention over groups of query blocks sorted by count, with a
               recomputing custom_vjp (xla.py); its work follows each query block's own count
               (up to the spread inside a group), not max(block_counts) nor the list length;
-  "pallas"    Pallas kernels (pallas.py): forward / dQ / dK,dV, each program's loop follows its
-              own block count;
+  "pallas"    Pallas kernels: forward / dQ / dK,dV, each program's loop follows its own block
+              count: pallas.py (Triton) on GPU and in the CPU interpreter, pallas_tpu.py
+              (Mosaic; block_size a multiple of 128) on TPU;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
   "auto"      "pallas" when jax.default_backend() is in common.AUTO_PALLAS_BACKENDS ("gpu"), else "xla".
 
@@ -19,14 +20,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.block_sparse_attention.pallas import block_sparse_attention_pallas
-from kernels_pallas.common import check_qkv, resolve_implementation
+from kernels_pallas.block_sparse_attention.pallas_tpu import block_sparse_attention_mosaic
+from kernels_pallas.common import check_qkv, pallas_target, resolve_implementation
 from kernels_pallas.block_sparse_attention.reference import block_sparse_attention_reference
 from kernels_pallas.block_sparse_attention.xla import block_sparse_attention_xla
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas", "reference")
-# As in flash_attention/ops.py: "auto" picks Pallas only where the kernels are expected to
-# lower, the GPU (Triton) path; on TPU Mosaic wants the block tables as scalar-prefetch operands,
-# which pallas.py does not do, so "auto" stays on XLA there ("pallas" still tries).
+# As in flash_attention/ops.py: "auto" picks Pallas only where the kernels have been compiled,
+# the GPU (Triton) path; on TPU "pallas" runs the Mosaic kernels and "auto" stays on XLA (see
+# common.AUTO_PALLAS_BACKENDS).
 
 
 def _check(q, k, v, block_indices, block_counts, segment_ids, block_size, implementation):
@@ -78,6 +80,10 @@ def block_sparse_attention(
             q, k, v, block_indices, block_counts, segment_ids, int(block_size)
         )
     implementation, interpret = resolve_implementation(implementation, interpret)
+    if implementation == "pallas" and pallas_target() == "mosaic":
+        return block_sparse_attention_mosaic(
+            q, k, v, block_indices, block_counts, segment_ids, int(block_size), interpret
+        )
     if implementation == "pallas":
         return block_sparse_attention_pallas(
             q, k, v, block_indices, block_counts, segment_ids, int(block_size), interpret

@@ -2,7 +2,8 @@
 
 implementation:
   "xla"       blocked online-softmax attention with a recomputing custom_vjp (xla.py);
-  "pallas"    Pallas kernels (pallas.py), FlashAttention-2 forward / dQ / dK,dV;
+  "pallas"    Pallas kernels, FlashAttention-2 forward / dQ / dK,dV: pallas.py (Triton) on GPU
+              and in the CPU interpreter, pallas_tpu.py (Mosaic) on TPU;
   "reference" the dense jnp oracle (reference.py), O(T^2) memory;
   "auto"      "pallas" when jax.default_backend() is "gpu", else "xla" (TPU: see
               common.AUTO_PALLAS_BACKENDS).
@@ -17,8 +18,9 @@ import dataclasses
 
 import numpy as np
 
-from kernels_pallas.common import check_qkv, resolve_implementation
+from kernels_pallas.common import check_qkv, pallas_target, resolve_implementation
 from kernels_pallas.flash_attention.pallas import flash_attention_pallas
+from kernels_pallas.flash_attention.pallas_tpu import flash_attention_mosaic
 from kernels_pallas.flash_attention.reference import attention_reference
 from kernels_pallas.flash_attention.xla import flash_attention_xla
 
@@ -40,8 +42,10 @@ class BlockSizes:
 
 
 # Pallas holds a [block_q, block_k] float32 score tile per program (registers / shared memory
-# on GPU), so its blocks are smaller than the XLA version's.
-DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64)}
+# on GPU), so its blocks are smaller than the XLA version's; Mosaic (TPU) blocks are multiples
+# of 128 tokens (its (8, 128) tiling), the MXU's width.
+DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64),
+                  "mosaic": BlockSizes(128, 128)}
 
 
 def _check(q, k, v, segment_ids, implementation):
@@ -75,11 +79,17 @@ def flash_attention(
         BlockSizes(*(1 if b is None else b for b in (block_q, block_k)))
         return attention_reference(q, k, v, segment_ids, causal)
     implementation, interpret = resolve_implementation(implementation, interpret)
+    if implementation == "pallas" and pallas_target() == "mosaic":
+        implementation = "mosaic"
     default = DEFAULT_BLOCKS[implementation]
     blocks = BlockSizes(
         default.block_q if block_q is None else block_q,
         default.block_k if block_k is None else block_k,
     )
+    if implementation == "mosaic":
+        return flash_attention_mosaic(
+            q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k, interpret
+        )
     if implementation == "pallas":
         return flash_attention_pallas(
             q, k, v, segment_ids, bool(causal), blocks.block_q, blocks.block_k, interpret

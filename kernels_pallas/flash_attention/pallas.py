@@ -129,6 +129,21 @@ def _range_of_true(x_BxNxM):
     ).astype(jnp.int32)
 
 
+def block_summary(seg_BxT, block: int):
+    """Per block of `block` tokens, each [B, n]: (lowest nonzero id, highest nonzero id, holds
+    padding (id 0), lowest id, highest id). T must be a multiple of `block`."""
+    big = jnp.iinfo(jnp.int32).max
+    s = seg_BxT.reshape(seg_BxT.shape[0], -1, block)
+    nonzero = s != 0
+    return (
+        jnp.where(nonzero, s, big).min(-1),
+        jnp.where(nonzero, s, -big).max(-1),
+        (~nonzero).any(-1),
+        s.min(-1),
+        s.max(-1),
+    )
+
+
 def block_tables(seg_q_BxTq, seg_k_BxTk, plan: Plan):
     """Per-row block metadata: kinds [B, nq, nk] (SKIP / FULL / PARTIAL), k_range [B, nq, 2]
     (key blocks a query block visits) and q_range [B, nk, 2] (query blocks a key block visits).
@@ -137,22 +152,8 @@ def block_tables(seg_q_BxTq, seg_k_BxTk, plan: Plan):
     both blocks hold padding (id 0), which implies no equal ids; conservative for any ids, and
     tight for packed rows (contiguous documents, padding at the end).
     """
-    B = seg_q_BxTq.shape[0]
-    big = jnp.iinfo(jnp.int32).max
-
-    def summary(seg, n, b):
-        s = seg.reshape(B, n, b)
-        nonzero = s != 0
-        return (
-            jnp.where(nonzero, s, big).min(-1),
-            jnp.where(nonzero, s, -big).max(-1),
-            (~nonzero).any(-1),
-            s.min(-1),
-            s.max(-1),
-        )
-
-    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in summary(seg_q_BxTq, plan.nq, plan.bq))
-    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in summary(seg_k_BxTk, plan.nk, plan.bk))
+    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in block_summary(seg_q_BxTq, plan.bq))
+    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in block_summary(seg_k_BxTk, plan.bk))
     overlap = (jnp.maximum(qlo, klo) <= jnp.minimum(qhi, khi)) | (q0 & k0)
     uniform = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
     visit = overlap & jnp.asarray(_static_reachable(plan))[None]

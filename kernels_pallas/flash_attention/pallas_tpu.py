@@ -1,0 +1,139 @@
+"""Flash attention on TPU: the Mosaic kernels of `kernels_pallas/mosaic.py` with a walk over
+contiguous key-block ranges, wired with `jax.custom_vjp`.
+
+Which pairs are visited is the rule of `pallas.block_tables` (the same as the GPU kernels and
+`xla.block_kinds`): query block i visits the key blocks [first, last) that are not SKIP, and key
+block j is visited by the query blocks [first, last). Mosaic reads tables from SMEM, which is
+small, so instead of the [B, nq, nk] table of kinds the kernels get, per block, six int32s:
+(lowest nonzero segment id, highest nonzero id, holds padding, the id if the block holds one id
+only else NOT_UNIFORM, first, last), flattened to 1-D (SMEM pads the last dimension of 2-D
+arrays). `pair_kind` rebuilds a pair's kind from the two blocks' summaries with scalar
+arithmetic inside the kernel; tests check it against `block_tables` pair by pair.
+
+Padding as on GPU: T is padded to whole blocks; padded queries copy the last segment id (their
+outputs are sliced off, their cotangent is zero) and padded keys are masked by position.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from kernels_pallas import mosaic
+from kernels_pallas.common import pad_axis
+from kernels_pallas.flash_attention import pallas as flash_pallas
+from kernels_pallas.mosaic import FULL, PARTIAL, SKIP, Geometry
+
+NOT_UNIFORM = jnp.iinfo(jnp.int32).min
+FIELDS = 6  # lo, hi, has_padding, uniform id, first, last
+
+
+def pair_kind(q_summary, k_summary, qi, kb, geo: Geometry):
+    """SKIP / FULL / PARTIAL of (query block qi, key block kb) from the blocks' (lo, hi,
+    has_padding, uniform id) summaries; works on scalars (in a kernel) and on arrays."""
+    qlo, qhi, q0, qu = q_summary
+    klo, khi, k0, ku = k_summary
+    overlap = (jnp.maximum(qlo, klo) <= jnp.minimum(qhi, khi)) | ((q0 != 0) & (k0 != 0))
+    full = (qu == ku) & (qu != NOT_UNIFORM)
+    if geo.causal:
+        full = full & ((kb + 1) * geo.bk - 1 <= qi * geo.bq)
+    if geo.Tk > geo.T:
+        full = full & (kb != geo.nk - 1)
+    return jnp.where(overlap, jnp.where(full, FULL, PARTIAL), SKIP)
+
+
+def _summaries(seg_BxT, block: int, ranges_BxNx2):
+    """[B * n * FIELDS] int32 (see the module doc)."""
+    lo, hi, pad, mn, mx = flash_pallas.block_summary(seg_BxT, block)
+    uniform = jnp.where(mn == mx, mn, NOT_UNIFORM)
+    fields = [lo, hi, pad.astype(jnp.int32), uniform, ranges_BxNx2[..., 0], ranges_BxNx2[..., 1]]
+    return jnp.stack([f.astype(jnp.int32) for f in fields], axis=-1).reshape(-1)
+
+
+def tables(seg_BxT, geo: Geometry):
+    """(query-block table, key-block table), each flat [B * n * FIELDS] int32."""
+    seg_q = pad_axis(seg_BxT, 1, geo.Tq, mode="edge")
+    seg_k = pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
+    plan = flash_pallas.Plan(geo.T, geo.D, geo.bq, geo.bk, geo.causal, geo.interpret)
+    _, k_range, q_range = flash_pallas.block_tables(seg_q, seg_k, plan)
+    return _summaries(seg_q, geo.bq, k_range), _summaries(seg_k, geo.bk, q_range)
+
+
+def _read(tab, base):
+    return tuple(tab[base + f] for f in range(4)), tab[base + 4], tab[base + 5]
+
+
+@dataclasses.dataclass(frozen=True)
+class RangeWalk:
+    """Contiguous ranges: step s of query block i is key block first + s while below last."""
+
+    geo: Geometry
+
+    @property
+    def fwd_steps(self) -> int:
+        return self.geo.nk
+
+    @property
+    def bwd_steps(self) -> int:
+        return self.geo.nq
+
+    def fwd(self, t, b, kvh, qi, step):
+        qtab, ktab = t
+        q_sum, first, last = _read(qtab, (b * self.geo.nq + qi) * FIELDS)
+        kb = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        k_sum = _read(ktab, (b * self.geo.nk + kb) * FIELDS)[0]
+        kind = pair_kind(q_sum, k_sum, qi, kb, self.geo)
+        return kb, jnp.where(first + step < last, kind, SKIP)
+
+    def bwd(self, t, b, kvh, kb, step):
+        qtab, ktab = t
+        k_sum, first, last = _read(ktab, (b * self.geo.nk + kb) * FIELDS)
+        qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        q_sum = _read(qtab, (b * self.geo.nq + qi) * FIELDS)[0]
+        kind = pair_kind(q_sum, k_sum, qi, kb, self.geo)
+        return qi, jnp.where(first + step < last, kind, SKIP)
+
+
+def _forward(q, k, v, seg, tabs, geo: Geometry):
+    qt, kt, vt = (mosaic.layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
+    return mosaic.forward(tabs, seg, qt, kt, vt, geo, RangeWalk(geo))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _flash(q, k, v, seg, tabs, geo):
+    return mosaic.unlayout(_forward(q, k, v, seg, tabs, geo)[0], geo, q.dtype)
+
+
+def _flash_fwd(q, k, v, seg, tabs, geo):
+    o, lse = _forward(q, k, v, seg, tabs, geo)
+    return mosaic.unlayout(o, geo, q.dtype), (q, k, v, seg, tabs, o, lse)
+
+
+def _flash_bwd(geo, res, do):
+    q, k, v, seg, tabs, o, lse = res
+    qt, kt, vt = (mosaic.layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
+    dq, dk, dv = mosaic.backward(
+        tabs, seg, qt, kt, vt, o, lse, mosaic.layout(do, geo.Tq, geo), geo, RangeWalk(geo)
+    )
+    grads = (mosaic.unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return (*grads, None, None)
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def flash_attention_mosaic(
+    q, k, v, segment_ids, causal: bool, block_q: int, block_k: int, interpret: bool,
+    tpu_interpreter: bool = True,
+):
+    """Flash attention through the Mosaic (TPU) kernels; arguments are assumed checked (see
+    ops.flash_attention). interpret=True runs them in the Pallas TPU interpreter (any backend;
+    tpu_interpreter=False: the generic one, see mosaic._interpret)."""
+    B, T, _, D = q.shape
+    geo = mosaic.make_geometry(T, D, block_q, block_k, causal, interpret, tpu_interpreter)
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    seg = jax.lax.stop_gradient(seg)
+    return _flash(q, k, v, seg, tables(seg, geo), geo)

@@ -1,0 +1,429 @@
+"""Mosaic (TPU) attention kernels shared by flash and block-sparse attention.
+
+One forward, one dQ and one dK/dV `pl.pallas_call`, each walking pairs of (query block, key
+block) that a *walk* chooses. A walk is two scalar functions of the block tables (int32 arrays
+passed as scalar-prefetch operands, so Mosaic keeps them in SMEM and the index maps can read
+them):
+
+  * `walk.fwd(tables, b, kv_head, q_block, step) -> (key block, kind)`: the step-th key block
+    query block q_block visits (the forward and dQ grids are (B, H, nq, walk.fwd_steps));
+  * `walk.bwd(tables, b, kv_head, k_block, step) -> (query block, kind)`: the step-th query
+    block that sees key block k_block (the dK/dV grid is (B, K, nk, G * walk.bwd_steps), the
+    G query heads of a kv head one after another);
+
+kind is SKIP (compute nothing), FULL (every pair allowed: no mask arithmetic) or PARTIAL
+(mask by segment id, causality and key padding). Past the end of a block's list a walk repeats
+its last block with kind SKIP, so the pipeline issues no new copy and the step costs only the
+grid overhead: the copies and the arithmetic both follow the walk, as in splash attention.
+`flash_attention/pallas_tpu.py` (contiguous key-block ranges, kinds from per-block segment
+summaries) and `block_sparse_attention/pallas_tpu.py` (explicit per-block lists) are the walks.
+
+TPU layout rules this file is written to (Mosaic wants the last two dimensions of every block
+divisible by (8, 128) or equal to the array's): blocks are multiples of 128 tokens; the head
+dim is a whole block dimension (padded to a multiple of 128 above 128); per-row statistics are
+held lane-replicated as [rows, 128] (the running max and sum in VMEM scratch, the log-sum-exp
+output, lse and delta for dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs
+them as a row (it works on the transposed scores k @ q.T, so that dV += p.T @ dO and
+dK += dS.T @ q are plain matmuls). Segment ids come twice for the same reason: lane-replicated
+[B, T, 128] (a column per block) and sublane-replicated [B, 8, T] (a row).
+
+Numerics: scores, softmax statistics and accumulators are float32; the matmul operands keep
+the input dtype (bfloat16 goes to the MXU as bfloat16, float32 at HIGHEST precision), and p /
+dS are cast to the value / query dtype before their matmuls, as FlashAttention does.
+
+Checked on a CPU host only: numerics through the Pallas interpreter, and lowering to Mosaic
+through `jax.export(..., platforms=["tpu"])` (tests/test_mosaic_attention.py). Mosaic's own
+layout passes run in libtpu when a TPU compiles the kernel; they have not run yet.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from kernels_pallas.common import NEG, NN, NT, pad_axis
+
+LANES, SUBLANES = 128, 8
+SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Geometry:
+    """Static blocking of one call (hashable: part of a custom_vjp's nondiff arguments)."""
+
+    T: int  # tokens per row
+    D: int  # head dim
+    bq: int
+    bk: int
+    causal: bool
+    interpret: bool
+    tpu_interpreter: bool = True  # interpreted: TPU semantics (slow) or the generic interpreter
+
+    @property
+    def nq(self) -> int:
+        return -(-self.T // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.T // self.bk)
+
+    @property
+    def Tq(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def Tk(self) -> int:
+        return self.nk * self.bk
+
+    @property
+    def Dm(self) -> int:
+        """Head dim as the kernels see it: D up to 128, else padded to a multiple of 128."""
+        return self.D if self.D <= LANES else -(-self.D // LANES) * LANES
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.D)
+
+
+def make_geometry(T: int, D: int, block_q: int, block_k: int, causal: bool,
+                  interpret: bool, tpu_interpreter: bool = True) -> Geometry:
+    """Blocks must be multiples of 128 tokens (interpreted too: one code path); a block longer
+    than the row shrinks to the row rounded up to 128."""
+    for name, b in (("block_q", block_q), ("block_k", block_k)):
+        if b % LANES or b < LANES:
+            raise ValueError(f"{name}={b} must be a multiple of {LANES} for the Mosaic (TPU) kernels")
+    cap = -(-T // LANES) * LANES
+    return Geometry(int(T), int(D), min(block_q, cap), min(block_k, cap), bool(causal),
+                    bool(interpret), bool(tpu_interpreter))
+
+
+def layout(x_BxTxNxD, T_pad: int, geo: Geometry):
+    """[B, T, N, D] -> [B, N, T_pad, Dm], zero padded, dtype kept."""
+    return pad_axis(pad_axis(x_BxTxNxD, 1, T_pad), 3, geo.Dm).transpose(0, 2, 1, 3)
+
+
+def unlayout(x_BxNxTxDm, geo: Geometry, dtype):
+    return x_BxNxTxDm[:, :, : geo.T, : geo.D].transpose(0, 2, 1, 3).astype(dtype)
+
+
+def lanes(x_BxT):
+    """[B, T] -> [B, T, 128]: each entry repeated along the lanes (a column per block)."""
+    return jnp.broadcast_to(x_BxT[..., None], (*x_BxT.shape, LANES))
+
+
+def sublanes(x_BxT):
+    """[B, T] -> [B, 8, T]: the row repeated down the sublanes (a row per block)."""
+    return jnp.broadcast_to(x_BxT[..., None, :], (x_BxT.shape[0], SUBLANES, x_BxT.shape[-1]))
+
+
+def _widen(x_Rx128, n: int):
+    """Lane-replicated [rows, 128] -> [rows, n] (n a multiple of 128, or below 128)."""
+    if n % LANES == 0:
+        return x_Rx128 if n == LANES else jnp.tile(x_Rx128, (1, n // LANES))
+    if n < LANES:
+        return x_Rx128[:, :n]
+    raise ValueError(f"cannot widen 128 lanes to {n}")
+
+
+def _mm(a, b, dims):
+    """Matmul accumulating in float32; float32 operands at full precision."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
+
+
+def _mask(seg_rows, seg_cols, row_pos, col_pos, q_is_row: bool, geo: Geometry):
+    """[rows, cols] bool: same segment, causal (key <= query), key not padding. seg_rows is a
+    lane-replicated [rows, 128] block, seg_cols a sublane-replicated [8, cols] block."""
+    rows, cols = seg_rows.shape[0], seg_cols.shape[1]
+    shape = (rows, cols)
+    mask = _widen(seg_rows, cols) == seg_cols[:1, :]
+    r = row_pos + lax.broadcasted_iota(jnp.int32, shape, 0)
+    c = col_pos + lax.broadcasted_iota(jnp.int32, shape, 1)
+    qpos, kpos = (r, c) if q_is_row else (c, r)
+    if geo.causal:
+        mask = mask & (kpos <= qpos)
+    if geo.Tk > geo.T:
+        mask = mask & (kpos < geo.T)
+    return mask
+
+
+def _by_kind(kind, update):
+    """Run update(masked=False) for FULL pairs, update(masked=True) for PARTIAL, else nothing."""
+    pl.when(kind == FULL)(functools.partial(update, masked=False))
+    pl.when(kind == PARTIAL)(functools.partial(update, masked=True))
+
+
+def _interpret(geo: Geometry):
+    """Interpreted, by default the TPU interpreter: TPU semantics on any backend (scalar
+    prefetch, VMEM scratch filled with NaN until written, out-of-bounds block reads raise).
+    tpu_interpreter=False takes the generic Pallas interpreter, about 2x faster (tests)."""
+    if not geo.interpret:
+        return False
+    return pltpu.InterpretParams() if geo.tpu_interpreter else True
+
+
+def _params(interpret: bool, semantics):
+    if interpret:
+        return None
+    return pltpu.CompilerParams(dimension_semantics=semantics)
+
+
+_QK_GRID = ("parallel", "parallel", "parallel", "arbitrary")
+
+
+def _fwd_maps(walk, G: int):
+    """Index maps of the (B, H, nq, steps) grids: q-side blocks, and the k-side blocks of the
+    walk's key block. Integer division is lax.div (ids are non-negative; jnp's floor division
+    lowers through `sign`, which Mosaic only lowers with a TPU attached)."""
+
+    def kv_map(b, h, i, j, *t):
+        kvh = lax.div(h, G)
+        return b, kvh, walk.fwd(t, b, kvh, i, j)[0], 0
+
+    def sk_map(b, h, i, j, *t):
+        return b, 0, walk.fwd(t, b, lax.div(h, G), i, j)[0]
+
+    return (lambda b, h, i, j, *t: (b, h, i, 0)), (lambda b, h, i, j, *t: (b, i, 0)), kv_map, sk_map
+
+
+# ----------------------------------------------------------------------------- forward
+
+
+def _fwd_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
+    tables = refs[:ntab]
+    sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[ntab:]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
+
+    @pl.when(j == 0)
+    def _init():
+        m_scr[...] = jnp.full(m_scr.shape, NEG, jnp.float32)
+        l_scr[...] = jnp.zeros(l_scr.shape, jnp.float32)
+        acc_scr[...] = jnp.zeros(acc_scr.shape, jnp.float32)
+
+    def update(masked):
+        v = v_ref[...]
+        s = _mm(q_ref[...], k_ref[...], NT) * geo.scale  # [bq, bk]
+        if masked:
+            mask = _mask(sq_ref[...], sk_ref[...], i * geo.bq, kb * geo.bk, True, geo)
+            s = jnp.where(mask, s, NEG)
+        m_prev = m_scr[...]  # [bq, 128]
+        m_next = jnp.maximum(m_prev, s.max(-1, keepdims=True))
+        p = jnp.exp(s - _widen(m_next, geo.bk))
+        if masked:
+            p = jnp.where(mask, p, 0.0)
+        alpha = jnp.exp(m_prev - m_next)
+        l_scr[...] = alpha * l_scr[...] + p.sum(-1, keepdims=True)
+        m_scr[...] = m_next
+        acc_scr[...] = acc_scr[...] * _widen(alpha, geo.Dm) + _mm(p.astype(v.dtype), v, NN)
+
+    _by_kind(kind, update)
+
+    @pl.when(j == walk.fwd_steps - 1)
+    def _finish():
+        l = l_scr[...]
+        l = jnp.where(l == 0.0, 1.0, l)  # a row that saw nothing: output 0, lse NEG
+        o_ref[...] = (acc_scr[...] / _widen(l, geo.Dm)).astype(o_ref.dtype)
+        lse_ref[...] = m_scr[...] + jnp.log(l)
+
+
+def forward(tables, seg_BxT, qt, kt, vt, geo: Geometry, walk):
+    """qt [B, H, Tq, Dm], kt/vt [B, K, Tk, Dm] (see `layout`) -> (o [B, H, Tq, Dm] in q's
+    dtype, lse [B, H, Tq] float32)."""
+    B, H = qt.shape[:2]
+    G = H // kt.shape[1]
+    bq, bk, Dm = geo.bq, geo.bk, geo.Dm
+    seg_q, seg_k = pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
+
+    q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
+    o, lse = pl.pallas_call(
+        functools.partial(_fwd_kernel, geo=geo, walk=walk, G=G, ntab=len(tables)),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=len(tables),
+            grid=(B, H, geo.nq, walk.fwd_steps),
+            in_specs=[
+                pl.BlockSpec((None, bq, LANES), sq_map),
+                pl.BlockSpec((None, SUBLANES, bk), sk_map),
+                pl.BlockSpec((None, None, bq, Dm), q_map),
+                pl.BlockSpec((None, None, bk, Dm), kv_map),
+                pl.BlockSpec((None, None, bk, Dm), kv_map),
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, bq, Dm), q_map),
+                pl.BlockSpec((None, None, bq, LANES), q_map),
+            ],
+            scratch_shapes=[
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, LANES), jnp.float32),
+                pltpu.VMEM((bq, Dm), jnp.float32),
+            ],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((B, H, geo.Tq, Dm), qt.dtype),
+            jax.ShapeDtypeStruct((B, H, geo.Tq, LANES), jnp.float32),
+        ],
+        compiler_params=_params(geo.interpret, _QK_GRID),
+        interpret=_interpret(geo),
+        name="mosaic_attention_fwd",
+    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt)
+    return o, lse[..., 0]
+
+
+# ----------------------------------------------------------------------------- backward
+
+
+def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
+    tables = refs[:ntab]
+    (sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
+     dq_scr) = refs[ntab:]
+    b, h, i, j = (pl.program_id(a) for a in range(4))
+    kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
+
+    @pl.when(j == 0)
+    def _init():
+        dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+
+    def update(masked):
+        k = k_ref[...]
+        s = _mm(q_ref[...], k, NT) * geo.scale
+        p = jnp.exp(s - _widen(lse_ref[...], geo.bk))
+        if masked:  # `where`, never a product: exp of a masked score may overflow
+            p = jnp.where(_mask(sq_ref[...], sk_ref[...], i * geo.bq, kb * geo.bk, True, geo),
+                          p, 0.0)
+        dp = _mm(do_ref[...], v_ref[...], NT)
+        ds = p * (dp - _widen(delta_ref[...], geo.bk))
+        dq_scr[...] += _mm(ds.astype(k.dtype), k, NN)
+
+    _by_kind(kind, update)
+
+    @pl.when(j == walk.fwd_steps - 1)
+    def _finish():
+        dq_ref[...] = (dq_scr[...] * geo.scale).astype(dq_ref.dtype)
+
+
+def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
+    tables = refs[:ntab]
+    (sk_ref, sq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
+     dk_scr, dv_scr) = refs[ntab:]
+    b, kvh, kb, step = (pl.program_id(a) for a in range(4))
+    qb, kind = walk.bwd(tables, b, kvh, kb, lax.rem(step, walk.bwd_steps))
+
+    @pl.when(step == 0)
+    def _init():
+        dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
+        dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
+
+    def update(masked):
+        q, do = q_ref[...], do_ref[...]
+        st = _mm(k_ref[...], q, NT) * geo.scale  # [bk, bq]: scores transposed
+        pt = jnp.exp(st - lse_ref[:1, :])
+        if masked:
+            pt = jnp.where(_mask(sk_ref[...], sq_ref[...], kb * geo.bk, qb * geo.bq, False, geo),
+                           pt, 0.0)
+        dv_scr[...] += _mm(pt.astype(do.dtype), do, NN)
+        dpt = _mm(v_ref[...], do, NT)
+        dst = pt * (dpt - delta_ref[:1, :])
+        dk_scr[...] += _mm(dst.astype(q.dtype), q, NN)
+
+    _by_kind(kind, update)
+
+    @pl.when(step == G * walk.bwd_steps - 1)
+    def _finish():
+        dk_ref[...] = (dk_scr[...] * geo.scale).astype(dk_ref.dtype)
+        dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
+
+
+def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
+    """Cotangent do_t [B, H, Tq, Dm] (layout of q) -> dq, dk, dv in the kernels' layout."""
+    B, H = qt.shape[:2]
+    K = kt.shape[1]
+    G = H // K
+    bq, bk, Dm, S = geo.bq, geo.bk, geo.Dm, walk.bwd_steps
+    seg_q, seg_k = pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
+    delta = (do_t.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+    ntab = len(tables)
+
+    q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
+    dq = pl.pallas_call(
+        functools.partial(_dq_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=ntab,
+            grid=(B, H, geo.nq, walk.fwd_steps),
+            in_specs=[
+                pl.BlockSpec((None, bq, LANES), sq_map),
+                pl.BlockSpec((None, SUBLANES, bk), sk_map),
+                pl.BlockSpec((None, None, bq, Dm), q_map),  # q
+                pl.BlockSpec((None, None, bk, Dm), kv_map),  # k
+                pl.BlockSpec((None, None, bk, Dm), kv_map),  # v
+                pl.BlockSpec((None, None, bq, Dm), q_map),  # do
+                pl.BlockSpec((None, None, bq, LANES), q_map),  # lse (lane-replicated)
+                pl.BlockSpec((None, None, bq, LANES), q_map),  # delta
+            ],
+            out_specs=pl.BlockSpec((None, None, bq, Dm), q_map),
+            scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
+        ),
+        out_shape=jax.ShapeDtypeStruct((B, H, geo.Tq, Dm), qt.dtype),
+        compiler_params=_params(geo.interpret, _QK_GRID),
+        interpret=_interpret(geo),
+        name="mosaic_attention_dq",
+    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt, do_t,
+      lanes(lse), lanes(delta))
+
+    def q_side(b, kvh, kb, step, *t):  # query head kvh * G + g, query block of the walk
+        return b, kvh * G + lax.div(step, S), walk.bwd(t, b, kvh, kb, lax.rem(step, S))[0]
+
+    def qd_map(b, kvh, kb, step, *t):
+        b, h, qb = q_side(b, kvh, kb, step, *t)
+        return b, h, qb, 0
+
+    def row_map(b, kvh, kb, step, *t):
+        b, h, qb = q_side(b, kvh, kb, step, *t)
+        return b, h, 0, qb
+
+    def sq_map(b, kvh, kb, step, *t):
+        return b, 0, q_side(b, kvh, kb, step, *t)[2]
+
+    k_map = lambda b, kvh, kb, step, *t: (b, kvh, kb, 0)  # noqa: E731
+    dk, dv = pl.pallas_call(
+        functools.partial(_dkv_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=ntab,
+            grid=(B, K, geo.nk, G * S),
+            in_specs=[
+                pl.BlockSpec((None, bk, LANES), lambda b, kvh, kb, step, *t: (b, kb, 0)),
+                pl.BlockSpec((None, SUBLANES, bq), sq_map),
+                pl.BlockSpec((None, None, bq, Dm), qd_map),  # q
+                pl.BlockSpec((None, None, bk, Dm), k_map),  # k
+                pl.BlockSpec((None, None, bk, Dm), k_map),  # v
+                pl.BlockSpec((None, None, bq, Dm), qd_map),  # do
+                pl.BlockSpec((None, None, SUBLANES, bq), row_map),  # lse (sublane-replicated)
+                pl.BlockSpec((None, None, SUBLANES, bq), row_map),  # delta
+            ],
+            out_specs=[
+                pl.BlockSpec((None, None, bk, Dm), k_map),
+                pl.BlockSpec((None, None, bk, Dm), k_map),
+            ],
+            scratch_shapes=[pltpu.VMEM((bk, Dm), jnp.float32), pltpu.VMEM((bk, Dm), jnp.float32)],
+        ),
+        out_shape=[
+            jax.ShapeDtypeStruct((B, K, geo.Tk, Dm), kt.dtype),
+            jax.ShapeDtypeStruct((B, K, geo.Tk, Dm), vt.dtype),
+        ],
+        compiler_params=_params(geo.interpret, _QK_GRID),
+        interpret=_interpret(geo),
+        name="mosaic_attention_dkv",
+    )(*tables, lanes(seg_k), sublanes(seg_q), qt, kt, vt, do_t,
+      _rows(lse), _rows(delta))
+    return dq, dk, dv
+
+
+def _rows(x_BxHxT):
+    """[B, H, T] -> [B, H, 8, T], the row repeated down the sublanes."""
+    return jnp.broadcast_to(x_BxHxT[:, :, None, :], (*x_BxHxT.shape[:2], SUBLANES, x_BxHxT.shape[-1]))
