@@ -427,3 +427,34 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
 def _rows(x_BxHxT):
     """[B, H, T] -> [B, H, 8, T], the row repeated down the sublanes."""
     return jnp.broadcast_to(x_BxHxT[:, :, None, :], (*x_BxHxT.shape[:2], SUBLANES, x_BxHxT.shape[-1]))
+
+
+# ----------------------------------------------------------------------------- custom_vjp
+
+
+def _layouts(q, k, v, geo: Geometry):
+    return tuple(layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def attention(q, k, v, seg_BxT, tables, geo: Geometry, walk):
+    """Attention over the pairs `walk` visits: q [B, T, H, D], k/v [B, T, K, D] in, q's layout
+    and dtype out; seg_BxT int32 (not differentiated), tables a tuple of flat int32 arrays."""
+    o, _ = forward(tables, seg_BxT, *_layouts(q, k, v, geo), geo, walk)
+    return unlayout(o, geo, q.dtype)
+
+
+def _attention_fwd(q, k, v, seg_BxT, tables, geo, walk):
+    o, lse = forward(tables, seg_BxT, *_layouts(q, k, v, geo), geo, walk)
+    return unlayout(o, geo, q.dtype), (q, k, v, seg_BxT, tables, o, lse)
+
+
+def _attention_bwd(geo, walk, res, do):
+    q, k, v, seg_BxT, tables, o, lse = res
+    do_t = layout(do, geo.Tq, geo)
+    dq, dk, dv = backward(tables, seg_BxT, *_layouts(q, k, v, geo), o, lse, do_t, geo, walk)
+    grads = (unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
+    return (*grads, None, None)
+
+
+attention.defvjp(_attention_fwd, _attention_bwd)

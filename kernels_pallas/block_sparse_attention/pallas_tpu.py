@@ -1,5 +1,5 @@
 """Block-sparse attention on TPU: the Mosaic kernels of `kernels_pallas/mosaic.py` with a walk
-over explicit block lists, wired with `jax.custom_vjp`.
+over explicit block lists (`mosaic.attention` holds the `jax.custom_vjp`).
 
 The lists are `pallas.block_tables`' (the GPU kernels' own, so both backends select the same
 pairs): fwd [B, K, nq, 1 + W] (count, then the selected key blocks ascending) and bwd
@@ -16,9 +16,7 @@ T = 32K at 128-token blocks and W = 16); longer rows want larger blocks.
 from __future__ import annotations
 
 import dataclasses
-import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 
@@ -52,42 +50,6 @@ class ListWalk:
         return self._entry(t[1], self.bwd_steps, b, kvh, kb, self.geo.nk, step)
 
 
-def _walk(k, fwd_tab, geo):
-    return ListWalk(geo, k.shape[2], fwd_tab.shape[-1] - 1)
-
-
-def _forward(q, k, v, seg, tabs, geo: Geometry):
-    walk = _walk(k, tabs[0], geo)
-    flat = tuple(t.reshape(-1) for t in tabs)
-    qt, kt, vt = (mosaic.layout(x, geo.Tq, geo) for x in (q, k, v))
-    return mosaic.forward(flat, seg, qt, kt, vt, geo, walk)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _sparse(q, k, v, seg, tabs, geo):
-    return mosaic.unlayout(_forward(q, k, v, seg, tabs, geo)[0], geo, q.dtype)
-
-
-def _sparse_fwd(q, k, v, seg, tabs, geo):
-    o, lse = _forward(q, k, v, seg, tabs, geo)
-    return mosaic.unlayout(o, geo, q.dtype), (q, k, v, seg, tabs, o, lse)
-
-
-def _sparse_bwd(geo, res, do):
-    q, k, v, seg, tabs, o, lse = res
-    walk = _walk(k, tabs[0], geo)
-    flat = tuple(t.reshape(-1) for t in tabs)
-    qt, kt, vt = (mosaic.layout(x, geo.Tq, geo) for x in (q, k, v))
-    dq, dk, dv = mosaic.backward(
-        flat, seg, qt, kt, vt, o, lse, mosaic.layout(do, geo.Tq, geo), geo, walk
-    )
-    grads = (mosaic.unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return (*grads, None, None)
-
-
-_sparse.defvjp(_sparse_fwd, _sparse_bwd)
-
-
 def block_sparse_attention_mosaic(
     q, k, v, block_indices, block_counts, segment_ids, block_size: int, interpret: bool,
     tpu_interpreter: bool = True,
@@ -102,7 +64,9 @@ def block_sparse_attention_mosaic(
         )
     geo = mosaic.make_geometry(T, D, block_size, block_size, True, interpret, tpu_interpreter)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    tabs = sparse_pallas.block_tables(
+    fwd_tab, bwd_tab = sparse_pallas.block_tables(
         lax.stop_gradient(block_indices), lax.stop_gradient(block_counts), geo.nq
     )
-    return _sparse(q, k, v, lax.stop_gradient(seg), tabs, geo)
+    walk = ListWalk(geo, k.shape[2], fwd_tab.shape[-1] - 1)
+    tables = (fwd_tab.reshape(-1), bwd_tab.reshape(-1))
+    return mosaic.attention(q, k, v, lax.stop_gradient(seg), tables, geo, walk)

@@ -1,5 +1,5 @@
 """Flash attention on TPU: the Mosaic kernels of `kernels_pallas/mosaic.py` with a walk over
-contiguous key-block ranges, wired with `jax.custom_vjp`.
+contiguous key-block ranges (`mosaic.attention` holds the `jax.custom_vjp`).
 
 Which pairs are visited is the rule of `pallas.block_tables` (the same as the GPU kernels and
 `xla.block_kinds`): query block i visits the key blocks [first, last) that are not SKIP, and key
@@ -17,7 +17,6 @@ outputs are sliced off, their cotangent is zero) and padded keys are masked by p
 from __future__ import annotations
 
 import dataclasses
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -97,34 +96,6 @@ class RangeWalk:
         return qi, jnp.where(first + step < last, kind, SKIP)
 
 
-def _forward(q, k, v, seg, tabs, geo: Geometry):
-    qt, kt, vt = (mosaic.layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
-    return mosaic.forward(tabs, seg, qt, kt, vt, geo, RangeWalk(geo))
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _flash(q, k, v, seg, tabs, geo):
-    return mosaic.unlayout(_forward(q, k, v, seg, tabs, geo)[0], geo, q.dtype)
-
-
-def _flash_fwd(q, k, v, seg, tabs, geo):
-    o, lse = _forward(q, k, v, seg, tabs, geo)
-    return mosaic.unlayout(o, geo, q.dtype), (q, k, v, seg, tabs, o, lse)
-
-
-def _flash_bwd(geo, res, do):
-    q, k, v, seg, tabs, o, lse = res
-    qt, kt, vt = (mosaic.layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
-    dq, dk, dv = mosaic.backward(
-        tabs, seg, qt, kt, vt, o, lse, mosaic.layout(do, geo.Tq, geo), geo, RangeWalk(geo)
-    )
-    grads = (mosaic.unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
-    return (*grads, None, None)
-
-
-_flash.defvjp(_flash_fwd, _flash_bwd)
-
-
 def flash_attention_mosaic(
     q, k, v, segment_ids, causal: bool, block_q: int, block_k: int, interpret: bool,
     tpu_interpreter: bool = True,
@@ -136,4 +107,4 @@ def flash_attention_mosaic(
     geo = mosaic.make_geometry(T, D, block_q, block_k, causal, interpret, tpu_interpreter)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     seg = jax.lax.stop_gradient(seg)
-    return _flash(q, k, v, seg, tables(seg, geo), geo)
+    return mosaic.attention(q, k, v, seg, tables(seg, geo), geo, RangeWalk(geo))
