@@ -4,6 +4,9 @@ parameters."""
 
 from __future__ import annotations
 
+import dataclasses
+import math
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -21,6 +24,39 @@ HI = lax.Precision.HIGHEST
 NT = (((1,), (1,)), ((), ()))  # a @ b.T
 TN = (((0,), (0,)), ((), ()))  # a.T @ b
 NN = (((1,), (0,)), ((), ()))  # a @ b
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockGrid:
+    """Static blocking of one attention call: T tokens cut into query blocks of bq and key
+    blocks of bk, the last ones padded (hashable: part of custom_vjps' nondiff arguments)."""
+
+    T: int
+    D: int
+    bq: int
+    bk: int
+    causal: bool
+    interpret: bool
+
+    @property
+    def nq(self) -> int:
+        return -(-self.T // self.bq)
+
+    @property
+    def nk(self) -> int:
+        return -(-self.T // self.bk)
+
+    @property
+    def Tq(self) -> int:
+        return self.nq * self.bq
+
+    @property
+    def Tk(self) -> int:
+        return self.nk * self.bk
+
+    @property
+    def scale(self) -> float:
+        return 1.0 / math.sqrt(self.D)
 
 
 def dot(a, b, dims):

@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -48,48 +47,22 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.common import NEG, NN, NT, pad_axis
+from kernels_pallas.common import NEG, NN, NT, BlockGrid, pad_axis
 
 LANES, SUBLANES = 128, 8
 SKIP, FULL, PARTIAL = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Geometry:
-    """Static blocking of one call (hashable: part of a custom_vjp's nondiff arguments)."""
+class Geometry(BlockGrid):
+    """The block grid of one call, and which interpreter runs it when interpreted."""
 
-    T: int  # tokens per row
-    D: int  # head dim
-    bq: int
-    bk: int
-    causal: bool
-    interpret: bool
     tpu_interpreter: bool = True  # interpreted: TPU semantics (slow) or the generic interpreter
-
-    @property
-    def nq(self) -> int:
-        return -(-self.T // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.T // self.bk)
-
-    @property
-    def Tq(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def Tk(self) -> int:
-        return self.nk * self.bk
 
     @property
     def Dm(self) -> int:
         """Head dim as the kernels see it: D up to 128, else padded to a multiple of 128."""
         return self.D if self.D <= LANES else -(-self.D // LANES) * LANES
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.D)
 
 
 def make_geometry(T: int, D: int, block_q: int, block_k: int, causal: bool,

@@ -109,9 +109,8 @@ def test_pair_kind_matches_block_tables(T, bq, bk, causal):
     geo = mosaic.make_geometry(T, 64, bq, bk, causal, True)
     seg_q = np.pad(np.asarray(seg), ((0, 0), (0, geo.Tq - T)), mode="edge")
     seg_k = np.pad(np.asarray(seg), ((0, 0), (0, geo.Tk - T)), mode="edge")
-    plan = flash_pallas.Plan(T, 64, geo.bq, geo.bk, causal, True)
     kinds, k_range, q_range = (np.asarray(x) for x in flash_pallas.block_tables(
-        jnp.asarray(seg_q), jnp.asarray(seg_k), plan))
+        jnp.asarray(seg_q), jnp.asarray(seg_k), geo))
     qtab, ktab = (np.asarray(t).reshape(seg.shape[0], -1, flash_tpu.FIELDS)
                   for t in flash_tpu.tables(seg, geo))
     np.testing.assert_array_equal(qtab[..., 4:], k_range)

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -40,46 +39,19 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, dot as _dot
+from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, dot as _dot
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-    """Static blocking of one call (hashable: it is a nondiff argument of the custom_vjp)."""
-
-    T: int
-    D: int
-    bq: int
-    bk: int
-    causal: bool
-    interpret: bool
-
-    @property
-    def nq(self) -> int:
-        return -(-self.T // self.bq)
-
-    @property
-    def nk(self) -> int:
-        return -(-self.T // self.bk)
-
-    @property
-    def Tq(self) -> int:
-        return self.nq * self.bq
-
-    @property
-    def Tk(self) -> int:
-        return self.nk * self.bk
+class Plan(BlockGrid):
+    """The block grid of one call, with the head dim padded for Triton."""
 
     @property
     def Dp(self) -> int:
         return max(16, _next_pow2(self.D))
-
-    @property
-    def scale(self) -> float:
-        return 1.0 / math.sqrt(self.D)
 
 
 def make_plan(T: int, D: int, causal: bool, block_q: int, block_k: int, interpret: bool) -> Plan:
@@ -99,7 +71,7 @@ def make_plan(T: int, D: int, causal: bool, block_q: int, block_k: int, interpre
 # ----------------------------------------------------------------------------- block tables
 
 
-def _static_reachable(plan: Plan) -> np.ndarray:
+def _static_reachable(plan: BlockGrid) -> np.ndarray:
     qi = np.arange(plan.nq)[:, None]
     ki = np.arange(plan.nk)[None, :]
     if not plan.causal:
@@ -107,7 +79,7 @@ def _static_reachable(plan: Plan) -> np.ndarray:
     return ki * plan.bk <= (qi + 1) * plan.bq - 1  # first key <= last query
 
 
-def _static_full(plan: Plan) -> np.ndarray:
+def _static_full(plan: BlockGrid) -> np.ndarray:
     qi = np.arange(plan.nq)[:, None]
     ki = np.arange(plan.nk)[None, :]
     full = np.ones((plan.nq, plan.nk), dtype=bool)
@@ -144,7 +116,7 @@ def block_summary(seg_BxT, block: int):
     )
 
 
-def block_tables(seg_q_BxTq, seg_k_BxTk, plan: Plan):
+def block_tables(seg_q_BxTq, seg_k_BxTk, plan: BlockGrid):
     """Per-row block metadata: kinds [B, nq, nk] (SKIP / FULL / PARTIAL), k_range [B, nq, 2]
     (key blocks a query block visits) and q_range [B, nk, 2] (query blocks a key block visits).
 

@@ -56,8 +56,7 @@ def tables(seg_BxT, geo: Geometry):
     """(query-block table, key-block table), each flat [B * n * FIELDS] int32."""
     seg_q = pad_axis(seg_BxT, 1, geo.Tq, mode="edge")
     seg_k = pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
-    plan = flash_pallas.Plan(geo.T, geo.D, geo.bq, geo.bk, geo.causal, geo.interpret)
-    _, k_range, q_range = flash_pallas.block_tables(seg_q, seg_k, plan)
+    _, k_range, q_range = flash_pallas.block_tables(seg_q, seg_k, geo)
     return _summaries(seg_q, geo.bq, k_range), _summaries(seg_k, geo.bk, q_range)
 
 
