@@ -7,9 +7,12 @@ them):
 
   * `walk.fwd(tables, b, kv_head, q_block, step) -> (key block, kind)`: the step-th key block
     query block q_block visits (the forward and dQ grids are (B, H, nq, walk.fwd_steps));
-  * `walk.bwd(tables, b, kv_head, k_block, step) -> (query block, kind)`: the step-th query
-    block that sees key block k_block (the dK/dV grid is (B, K, nk, G * walk.bwd_steps), the
-    G query heads of a kv head one after another);
+  * `walk.bwd(tables, b, kv_head, outer, step) -> (key block, query block, kind, first, last)`
+    on the dK/dV grid (B, K, walk.bwd_outer, walk.bwd_steps): the steps of one key block are
+    consecutive (a run; first / last mark its ends, where dK/dV are zeroed and written), and
+    each step handles the G query heads of the kv head together (one [G, bq, D] block), so
+    the grid does not grow with G. Flash has a run of nq steps per key block (outer = key
+    block); block-sparse walks one list of (key block, query block) pairs (outer = 1);
 
 kind is SKIP (compute nothing), FULL (every pair allowed: no mask arithmetic) or PARTIAL
 (mask by segment id, causality and key padding). Past the end of a block's list a walk repeats
@@ -22,10 +25,17 @@ TPU layout rules this file is written to (Mosaic wants the last two dimensions o
 divisible by (8, 128) or equal to the array's): blocks are multiples of 128 tokens; the head
 dim is a whole block dimension (padded to a multiple of 128 above 128); per-row statistics are
 held lane-replicated as [rows, 128] (the running max and sum in VMEM scratch, the log-sum-exp
-output, lse and delta for dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs
-them as a row (it works on the transposed scores k @ q.T, so that dV += p.T @ dO and
-dK += dS.T @ q are plain matmuls). Segment ids come twice for the same reason: lane-replicated
-[B, T, 128] (a column per block) and sublane-replicated [B, 8, T] (a row).
+output, sliced to [B, H, T] at once), as [1, T] rows turned into columns in the kernel (lse
+and delta in dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs them as a row
+(it works on the transposed scores k @ q.T, so that dV += p.T @ dO and dK += dS.T @ q are plain
+matmuls). Segment ids come twice for the same reason: lane-replicated [B, T, 128] (a column
+per block) and sublane-replicated [B, 8, T] (a row).
+
+The tables live in SMEM (1 MiB per core on TPU v4 to v6e); `check_smem` refuses tables over
+SMEM_BUDGET with the sizes and the way out (larger blocks). Blocks default to 512 x 512 on TPU
+(ops.DEFAULT_BLOCKS): fewer grid steps (each costs ~0.35 us) and full MXU tiles; a step keeps a
+few [bq, bk] float32 temporaries in VMEM (about 5 MiB at 512 x 512, within the default scoped
+VMEM), so much larger blocks would need `vmem_limit_bytes`.
 
 Numerics: scores, softmax statistics and accumulators are float32; the matmul operands keep
 the input dtype (bfloat16 goes to the MXU as bfloat16, float32 at HIGHEST precision), and p /
@@ -111,12 +121,14 @@ def _mm(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(seg_rows, seg_cols, row_pos, col_pos, q_is_row: bool, geo: Geometry):
-    """[rows, cols] bool: same segment, causal (key <= query), key not padding. seg_rows is a
-    lane-replicated [rows, 128] block, seg_cols a sublane-replicated [8, cols] block."""
-    rows, cols = seg_rows.shape[0], seg_cols.shape[1]
+def _mask(seg_rows_ref, seg_cols_ref, row_pos, col_pos, q_is_row: bool, geo: Geometry):
+    """[rows, cols] bool: same segment, causal (key <= query), key not padding. seg_rows_ref is
+    a lane-replicated [rows, 128] block, seg_cols_ref a sublane-replicated [8, cols] block (one
+    row of it is loaded)."""
+    seg_cols = seg_cols_ref[:1, :]
+    rows, cols = seg_rows_ref.shape[0], seg_cols.shape[1]
     shape = (rows, cols)
-    mask = _widen(seg_rows, cols) == seg_cols[:1, :]
+    mask = _widen(seg_rows_ref[...], cols) == seg_cols
     r = row_pos + lax.broadcasted_iota(jnp.int32, shape, 0)
     c = col_pos + lax.broadcasted_iota(jnp.int32, shape, 1)
     qpos, kpos = (r, c) if q_is_row else (c, r)
@@ -125,6 +137,19 @@ def _mask(seg_rows, seg_cols, row_pos, col_pos, q_is_row: bool, geo: Geometry):
     if geo.Tk > geo.T:
         mask = mask & (kpos < geo.T)
     return mask
+
+
+SMEM_BUDGET = 512 * 1024  # bytes of tables; half of the 1 MiB SMEM, the rest for Mosaic
+
+
+def check_smem(tables, what: str) -> None:
+    """Refuse block tables too large for SMEM, with their size and the way out."""
+    size = sum(int(t.size) * t.dtype.itemsize for t in tables)
+    if size > SMEM_BUDGET:
+        raise ValueError(
+            f"{what}: the Mosaic kernels' block tables take {size} bytes of SMEM, over the "
+            f"{SMEM_BUDGET}-byte budget; use larger blocks (fewer of them), or split the batch"
+        )
 
 
 def _by_kind(kind, update):
@@ -185,7 +210,7 @@ def _fwd_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         v = v_ref[...]
         s = _mm(q_ref[...], k_ref[...], NT) * geo.scale  # [bq, bk]
         if masked:
-            mask = _mask(sq_ref[...], sk_ref[...], i * geo.bq, kb * geo.bk, True, geo)
+            mask = _mask(sq_ref, sk_ref, i * geo.bq, kb * geo.bk, True, geo)
             s = jnp.where(mask, s, NEG)
         m_prev = m_scr[...]  # [bq, 128]
         m_next = jnp.maximum(m_prev, s.max(-1, keepdims=True))
@@ -266,12 +291,11 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
     def update(masked):
         k = k_ref[...]
         s = _mm(q_ref[...], k, NT) * geo.scale
-        p = jnp.exp(s - _widen(lse_ref[...], geo.bk))
+        p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))  # lse row [1, bq] -> column
         if masked:  # `where`, never a product: exp of a masked score may overflow
-            p = jnp.where(_mask(sq_ref[...], sk_ref[...], i * geo.bq, kb * geo.bk, True, geo),
-                          p, 0.0)
+            p = jnp.where(_mask(sq_ref, sk_ref, i * geo.bq, kb * geo.bk, True, geo), p, 0.0)
         dp = _mm(do_ref[...], v_ref[...], NT)
-        ds = p * (dp - _widen(delta_ref[...], geo.bk))
+        ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
         dq_scr[...] += _mm(ds.astype(k.dtype), k, NN)
 
     _by_kind(kind, update)
@@ -282,32 +306,37 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
 
 
 def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
+    """One step: key block kb against query block qb for all G query heads of kv head kvh.
+    The walk's steps for one key block are consecutive (a run): dK/dV accumulate in scratch
+    from the run's first step and are written at its last."""
     tables = refs[:ntab]
     (sk_ref, sq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
      dk_scr, dv_scr) = refs[ntab:]
-    b, kvh, kb, step = (pl.program_id(a) for a in range(4))
-    qb, kind = walk.bwd(tables, b, kvh, kb, lax.rem(step, walk.bwd_steps))
+    b, kvh, outer, step = (pl.program_id(a) for a in range(4))
+    kb, qb, kind, first, last = walk.bwd(tables, b, kvh, outer, step)
 
-    @pl.when(step == 0)
+    @pl.when(first)
     def _init():
         dk_scr[...] = jnp.zeros(dk_scr.shape, jnp.float32)
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
     def update(masked):
-        q, do = q_ref[...], do_ref[...]
-        st = _mm(k_ref[...], q, NT) * geo.scale  # [bk, bq]: scores transposed
-        pt = jnp.exp(st - lse_ref[:1, :])
+        k, v = k_ref[...], v_ref[...]
         if masked:
-            pt = jnp.where(_mask(sk_ref[...], sq_ref[...], kb * geo.bk, qb * geo.bq, False, geo),
-                           pt, 0.0)
-        dv_scr[...] += _mm(pt.astype(do.dtype), do, NN)
-        dpt = _mm(v_ref[...], do, NT)
-        dst = pt * (dpt - delta_ref[:1, :])
-        dk_scr[...] += _mm(dst.astype(q.dtype), q, NN)
+            mask = _mask(sk_ref, sq_ref, kb * geo.bk, qb * geo.bq, False, geo)
+        for g in range(G):  # the query heads sharing this kv head
+            q, do = q_ref[g], do_ref[g]
+            st = _mm(k, q, NT) * geo.scale  # [bk, bq]: scores transposed
+            pt = jnp.exp(st - lse_ref[g, :1, :])
+            if masked:
+                pt = jnp.where(mask, pt, 0.0)
+            dv_scr[...] += _mm(pt.astype(do.dtype), do, NN)
+            dst = pt * (_mm(v, do, NT) - delta_ref[g, :1, :])
+            dk_scr[...] += _mm(dst.astype(q.dtype), q, NN)
 
     _by_kind(kind, update)
 
-    @pl.when(step == G * walk.bwd_steps - 1)
+    @pl.when(last)
     def _finish():
         dk_ref[...] = (dk_scr[...] * geo.scale).astype(dk_ref.dtype)
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
@@ -318,12 +347,13 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
     B, H = qt.shape[:2]
     K = kt.shape[1]
     G = H // K
-    bq, bk, Dm, S = geo.bq, geo.bk, geo.Dm, walk.bwd_steps
+    bq, bk, Dm = geo.bq, geo.bk, geo.Dm
     seg_q, seg_k = pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
     delta = (do_t.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
     ntab = len(tables)
 
     q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
+    row_map = lambda b, h, i, j, *t: (b, h, 0, i)  # noqa: E731
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -336,8 +366,8 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
                 pl.BlockSpec((None, None, bk, Dm), kv_map),  # k
                 pl.BlockSpec((None, None, bk, Dm), kv_map),  # v
                 pl.BlockSpec((None, None, bq, Dm), q_map),  # do
-                pl.BlockSpec((None, None, bq, LANES), q_map),  # lse (lane-replicated)
-                pl.BlockSpec((None, None, bq, LANES), q_map),  # delta
+                pl.BlockSpec((None, None, 1, bq), row_map),  # lse, a row
+                pl.BlockSpec((None, None, 1, bq), row_map),  # delta
             ],
             out_specs=pl.BlockSpec((None, None, bq, Dm), q_map),
             scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
@@ -346,42 +376,42 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dq",
-    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt, do_t,
-      lanes(lse), lanes(delta))
+    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
 
-    def q_side(b, kvh, kb, step, *t):  # query head kvh * G + g, query block of the walk
-        return b, kvh * G + lax.div(step, S), walk.bwd(t, b, kvh, kb, lax.rem(step, S))[0]
+    # dK/dV: grid (B, K, walk.bwd_outer, walk.bwd_steps); the G query heads of a kv head come
+    # in one block ([B, K, G, ...] views of the [B, H, ...] arrays are free reshapes).
+    def k_side(b, kvh, outer, step, *t):
+        return walk.bwd(t, b, kvh, outer, step)[0]
 
-    def qd_map(b, kvh, kb, step, *t):
-        b, h, qb = q_side(b, kvh, kb, step, *t)
-        return b, h, qb, 0
+    def q_side(b, kvh, outer, step, *t):
+        return walk.bwd(t, b, kvh, outer, step)[1]
 
-    def row_map(b, kvh, kb, step, *t):
-        b, h, qb = q_side(b, kvh, kb, step, *t)
-        return b, h, 0, qb
+    def grouped(x):
+        return x.reshape(B, K, G, *x.shape[2:])
 
-    def sq_map(b, kvh, kb, step, *t):
-        return b, 0, q_side(b, kvh, kb, step, *t)[2]
-
-    k_map = lambda b, kvh, kb, step, *t: (b, kvh, kb, 0)  # noqa: E731
+    q_block = lambda *a: (a[0], a[1], 0, q_side(*a), 0)  # noqa: E731
+    k_block = lambda *a: (a[0], a[1], k_side(*a), 0)  # noqa: E731
+    rows8 = lambda x: jnp.broadcast_to(x[:, :, None, :], (B, H, SUBLANES, geo.Tq))  # noqa: E731
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=ntab,
-            grid=(B, K, geo.nk, G * S),
+            grid=(B, K, walk.bwd_outer, walk.bwd_steps),
             in_specs=[
-                pl.BlockSpec((None, bk, LANES), lambda b, kvh, kb, step, *t: (b, kb, 0)),
-                pl.BlockSpec((None, SUBLANES, bq), sq_map),
-                pl.BlockSpec((None, None, bq, Dm), qd_map),  # q
-                pl.BlockSpec((None, None, bk, Dm), k_map),  # k
-                pl.BlockSpec((None, None, bk, Dm), k_map),  # v
-                pl.BlockSpec((None, None, bq, Dm), qd_map),  # do
-                pl.BlockSpec((None, None, SUBLANES, bq), row_map),  # lse (sublane-replicated)
-                pl.BlockSpec((None, None, SUBLANES, bq), row_map),  # delta
+                pl.BlockSpec((None, bk, LANES), lambda *a: (a[0], k_side(*a), 0)),
+                pl.BlockSpec((None, SUBLANES, bq), lambda *a: (a[0], 0, q_side(*a))),
+                pl.BlockSpec((None, None, G, bq, Dm), q_block),  # q
+                pl.BlockSpec((None, None, bk, Dm), k_block),  # k
+                pl.BlockSpec((None, None, bk, Dm), k_block),  # v
+                pl.BlockSpec((None, None, G, bq, Dm), q_block),  # do
+                pl.BlockSpec((None, None, G, SUBLANES, bq),
+                             lambda *a: (a[0], a[1], 0, 0, q_side(*a))),  # lse rows
+                pl.BlockSpec((None, None, G, SUBLANES, bq),
+                             lambda *a: (a[0], a[1], 0, 0, q_side(*a))),  # delta rows
             ],
             out_specs=[
-                pl.BlockSpec((None, None, bk, Dm), k_map),
-                pl.BlockSpec((None, None, bk, Dm), k_map),
+                pl.BlockSpec((None, None, bk, Dm), k_block),
+                pl.BlockSpec((None, None, bk, Dm), k_block),
             ],
             scratch_shapes=[pltpu.VMEM((bk, Dm), jnp.float32), pltpu.VMEM((bk, Dm), jnp.float32)],
         ),
@@ -392,14 +422,9 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dkv",
-    )(*tables, lanes(seg_k), sublanes(seg_q), qt, kt, vt, do_t,
-      _rows(lse), _rows(delta))
+    )(*tables, lanes(seg_k), sublanes(seg_q), grouped(qt), kt, vt, grouped(do_t),
+      grouped(rows8(lse)), grouped(rows8(delta)))
     return dq, dk, dv
-
-
-def _rows(x_BxHxT):
-    """[B, H, T] -> [B, H, 8, T], the row repeated down the sublanes."""
-    return jnp.broadcast_to(x_BxHxT[:, :, None, :], (*x_BxHxT.shape[:2], SUBLANES, x_BxHxT.shape[-1]))
 
 
 # ----------------------------------------------------------------------------- custom_vjp

@@ -18,7 +18,8 @@ from attention_inputs import out_and_vjp, random_blocks, random_qkv, segments
 from tolerances import tol
 
 from kernels_pallas import attention_reference, block_sparse_attention, flash_attention, mosaic
-from kernels_pallas.block_sparse_attention.pallas_tpu import block_sparse_attention_mosaic
+from kernels_pallas.block_sparse_attention import pallas as sparse_pallas
+from kernels_pallas.block_sparse_attention.pallas_tpu import block_sparse_attention_mosaic, pair_codes
 from kernels_pallas.flash_attention import pallas as flash_pallas
 from kernels_pallas.flash_attention import pallas_tpu as flash_tpu
 
@@ -171,6 +172,41 @@ def test_sparse_unlisted_blocks_are_not_read_and_empty_rows_are_zero(interpret):
     np.testing.assert_array_equal(np.asarray(grads[0])[0, empty], 0.0)
 
 
+def test_pair_codes_walk_every_selected_pair_once_by_key_block():
+    """The dK/dV walk, decoded, against a brute force over the selection: per (row, kv head)
+    the steps run over key blocks in ascending order, each key block's selected query blocks
+    ascending (or one zero-writing step when none selected it), then tail steps that only
+    extend the last run."""
+    rng = np.random.default_rng(4)
+    B, K, nq, M = 2, 2, 6, 3
+    idx = jnp.asarray(rng.integers(-1, nq + 1, size=(B, K, nq, M)), jnp.int32)
+    counts = jnp.asarray(rng.integers(0, M + 1, size=(B, K, nq)), jnp.int32)
+    sel = np.asarray(sparse_pallas.selection(idx, counts, nq))
+    codes = np.asarray(pair_codes(jnp.asarray(sel), M))
+    assert codes.shape[-1] == nq + nq * M
+    for b in range(B):
+        for k in range(K):
+            want = []
+            for kb in range(nq):
+                qs = [(kb, qi + 1) for qi in range(nq) if sel[b, k, qi, kb]]
+                want += qs or [(kb, 0)]
+            got = [divmod(int(c), nq + 1) for c in codes[b, k]]
+            assert got[: len(want)] == want
+            assert all(g == (want[-1][0], 0) for g in got[len(want):])
+
+
+def test_tables_over_the_smem_budget_are_refused():
+    """Caught at trace time, before anything runs: 64 rows of 32K tokens in 128-token blocks
+    need ~0.8 MB of flash tables; the message names the size and the way out."""
+    q = jax.ShapeDtypeStruct((64, 32768, 1, 64), jnp.bfloat16)
+    seg = jax.ShapeDtypeStruct((64, 32768), jnp.int32)
+    fn = lambda q, s: flash_tpu.flash_attention_mosaic(q, q, q, s, True, 128, 128, False)  # noqa: E731
+    with pytest.raises(ValueError, match="SMEM.*use larger blocks"):
+        jax.eval_shape(fn, q, seg)
+    jax.eval_shape(lambda q, s: flash_tpu.flash_attention_mosaic(q, q, q, s, True, 512, 512,
+                                                                 False), q, seg)
+
+
 # ------------------------------------------------------------------ lowering and dispatch
 
 
@@ -202,8 +238,8 @@ def test_lower_to_mosaic_for_tpu(D):
 
 
 def test_dispatch_on_tpu_backend(monkeypatch):
-    """implementation="pallas" on a TPU backend reaches the Mosaic kernels (default blocks of
-    128); "auto" stays on XLA there until the kernels have run on a TPU."""
+    """implementation="pallas" on a TPU backend reaches the Mosaic kernels (default blocks
+    shrink to the 256-token row); "auto" stays on XLA there until they have run on a TPU."""
     import kernels_pallas.common as common
 
     monkeypatch.setattr(common.jax, "default_backend", lambda: "tpu")

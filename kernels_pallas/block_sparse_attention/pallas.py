@@ -98,7 +98,7 @@ def selection(block_indices, block_counts, nb: int):
     return sel.at[b[..., None], k[..., None], n[..., None], jnp.clip(idx, 0, nb - 1)].max(valid)
 
 
-def _compact(sel_BxKxNxM, width: int):
+def compact(sel_BxKxNxM, width: int):
     """[..., 1 + width] int32: count of True, then the True positions ascending (then filler)."""
     count = sel_BxKxNxM.sum(-1, dtype=jnp.int32)
     order = jnp.argsort(~sel_BxKxNxM, axis=-1, stable=True).astype(jnp.int32)[..., :width]
@@ -110,7 +110,7 @@ def block_tables(block_indices, block_counts, nb: int):
     """fwd [B, K, nq, 1 + M] and bwd [B, K, nk, 1 + nq] tables (see the module doc)."""
     M = block_indices.shape[-1]
     sel = selection(block_indices, block_counts, nb)
-    return _compact(sel, min(M, nb)), _compact(sel.transpose(0, 1, 3, 2), nb)
+    return compact(sel, min(M, nb)), compact(sel.transpose(0, 1, 3, 2), nb)
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -75,6 +75,10 @@ class RangeWalk:
         return self.geo.nk
 
     @property
+    def bwd_outer(self) -> int:  # one run of steps per key block
+        return self.geo.nk
+
+    @property
     def bwd_steps(self) -> int:
         return self.geo.nq
 
@@ -87,12 +91,13 @@ class RangeWalk:
         return kb, jnp.where(first + step < last, kind, SKIP)
 
     def bwd(self, t, b, kvh, kb, step):
+        """Key block kb's run: the query blocks [first, last), then SKIP to the grid's end."""
         qtab, ktab = t
         k_sum, first, last = _read(ktab, (b * self.geo.nk + kb) * FIELDS)
         qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
         q_sum = _read(qtab, (b * self.geo.nq + qi) * FIELDS)[0]
-        kind = pair_kind(q_sum, k_sum, qi, kb, self.geo)
-        return qi, jnp.where(first + step < last, kind, SKIP)
+        kind = jnp.where(first + step < last, pair_kind(q_sum, k_sum, qi, kb, self.geo), SKIP)
+        return kb, qi, kind, step == 0, step == self.bwd_steps - 1
 
 
 def flash_attention_mosaic(
@@ -106,4 +111,6 @@ def flash_attention_mosaic(
     geo = mosaic.make_geometry(T, D, block_q, block_k, causal, interpret, tpu_interpreter)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     seg = jax.lax.stop_gradient(seg)
-    return mosaic.attention(q, k, v, seg, tables(seg, geo), geo, RangeWalk(geo))
+    tabs = tables(seg, geo)
+    mosaic.check_smem(tabs, f"flash attention over B={B}, T={T} with blocks {geo.bq}x{geo.bk}")
+    return mosaic.attention(q, k, v, seg, tabs, geo, RangeWalk(geo))
