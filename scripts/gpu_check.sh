@@ -12,11 +12,12 @@
 #      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks, plus
 #      the ring's chunk op (pallas vs xla; one local chunk holding one document = causal).
 # On TPU ("tpu"): the Mosaic kernels (tests/test_mosaic_attention.py, compiled and interpreted)
-# instead of the Triton suites, and blocks of 128 (Mosaic's minimum); the ring's chunk op has
-# no Mosaic kernels, so its pallas row is left out there.
+# instead of the Triton suites, 512 x 512 blocks (the Mosaic default) and block-sparse blocks of
+# 128 (Mosaic's minimum); the ring's chunk op has no Mosaic kernels, so its pallas row is left
+# out there.
 # Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
 # Environment: PYTHON (default .venv/bin/python), HEADS (8), KV_HEADS (2), HEAD_DIM (128),
-# BLOCK_Q (128), BLOCK_K (64; tpu 128), REPEATS (5), SPARSE_BLOCK (block size, 64; tpu 128).
+# BLOCK_Q (128; tpu 512), BLOCK_K (64; tpu 512), REPEATS (5), SPARSE_BLOCK (64; tpu 128).
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -37,7 +38,7 @@ assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
 if [ "$platform" = "tpu" ]; then
   echo "== Mosaic kernels, compiled and interpreted =="
   "$python" -m pytest -q tests/test_mosaic_attention.py -rs
-  default_block_k=128
+  default_block_q=512 default_block_k=512 default_sparse=128
 else
   echo "== compiled kernels =="
   "$python" -m pytest -q tests/test_flash_attention_pallas.py \
@@ -47,13 +48,13 @@ else
   "$python" -m pytest -q tests/test_flash_attention_pallas.py \
     tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py \
     tests/test_ring_sparse_pallas.py -k "not Compiled"
-  default_block_k=64
+  default_block_q=128 default_block_k=64 default_sparse=64
 fi
 
 echo "== timing (seconds, best of ${REPEATS:-5}) =="
 HEADS="${HEADS:-8}" KV_HEADS="${KV_HEADS:-2}" HEAD_DIM="${HEAD_DIM:-128}" \
-BLOCK_Q="${BLOCK_Q:-128}" BLOCK_K="${BLOCK_K:-$default_block_k}" REPEATS="${REPEATS:-5}" \
-SPARSE_BLOCK="${SPARSE_BLOCK:-$default_block_k}" \
+BLOCK_Q="${BLOCK_Q:-$default_block_q}" BLOCK_K="${BLOCK_K:-$default_block_k}" \
+REPEATS="${REPEATS:-5}" SPARSE_BLOCK="${SPARSE_BLOCK:-$default_sparse}" \
 "$python" - "${lengths[@]}" <<'PY'
 import os
 import sys
