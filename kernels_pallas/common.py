@@ -5,6 +5,7 @@ parameters."""
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 
 import jax
@@ -140,3 +141,26 @@ def triton_compiler_params(interpret: bool):
     from jax.experimental.pallas import triton as pltriton
 
     return pltriton.CompilerParams(num_warps=4, num_stages=2)
+
+
+_STRUCT_PARAMS = inspect.signature(jax.ShapeDtypeStruct).parameters
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes x varies over (empty outside shard_map or with check_vma=False)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
+    if mat is not None:
+        return frozenset(mat.varying)
+    return frozenset(getattr(aval, "vma", ()))  # older JAX
+
+
+def out_struct(shape, dtype, like):
+    """ShapeDtypeStruct that varies over the same mesh axes as `like` (pallas_call under
+    shard_map(check_vma=True) wants them on every out_shape; the keyword changed names)."""
+    aval = jax.typeof(like)
+    if "manual_axis_type" in _STRUCT_PARAMS and getattr(aval, "manual_axis_type", None) is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
+    if "vma" in _STRUCT_PARAMS and hasattr(aval, "vma"):
+        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
+    return jax.ShapeDtypeStruct(shape, dtype)

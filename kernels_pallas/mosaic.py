@@ -19,7 +19,11 @@ kind is SKIP (compute nothing), FULL (every pair allowed: no mask arithmetic) or
 its last block with kind SKIP, so the pipeline issues no new copy and the step costs only the
 grid overhead: the copies and the arithmetic both follow the walk, as in splash attention.
 `flash_attention/pallas_tpu.py` (contiguous key-block ranges, kinds from per-block segment
-summaries) and `block_sparse_attention/pallas_tpu.py` (explicit per-block lists) are the walks.
+summaries), `block_sparse_attention/pallas_tpu.py` (explicit per-block lists) and
+`flash_attention/chunk_mosaic.py` (the ring's chunk op: ranges and kinds from its own table)
+are the walks. The mask is by token index (causal, padded keys masked) or, for the chunk op
+(`Geometry.positions`), by per-token (segment id, position) on both sides, with separate query
+and key lengths (`Geometry.T_kv`).
 
 TPU layout rules this file is written to (Mosaic wants the last two dimensions of every block
 divisible by (8, 128) or equal to the array's): blocks are multiples of 128 tokens; the head
@@ -57,7 +61,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from kernels_pallas.common import NEG, NN, NT, BlockGrid, pad_axis
+from kernels_pallas.common import NEG, NN, NT, BlockGrid, out_struct, pad_axis
 
 LANES, SUBLANES = 128, 8
 SKIP, FULL, PARTIAL = 0, 1, 2
@@ -68,6 +72,16 @@ class Geometry(BlockGrid):
     """The block grid of one call, and which interpreter runs it when interpreted."""
 
     tpu_interpreter: bool = True  # interpreted: TPU semantics (slow) or the generic interpreter
+    T_kv: int = 0  # key length when it differs from T (the ring's chunks); 0: T
+    positions: bool = False  # mask by per-token (segment id, position), not by index
+
+    @property
+    def Lk(self) -> int:
+        return self.T_kv or self.T
+
+    @property
+    def nk(self) -> int:
+        return -(-self.Lk // self.bk)
 
     @property
     def Dm(self) -> int:
@@ -76,15 +90,16 @@ class Geometry(BlockGrid):
 
 
 def make_geometry(T: int, D: int, block_q: int, block_k: int, causal: bool,
-                  interpret: bool, tpu_interpreter: bool = True) -> Geometry:
+                  interpret: bool, tpu_interpreter: bool = True, T_kv: int = 0,
+                  positions: bool = False) -> Geometry:
     """Blocks must be multiples of 128 tokens (interpreted too: one code path); a block longer
-    than the row shrinks to the row rounded up to 128."""
+    than its side shrinks to the side's length rounded up to 128."""
     for name, b in (("block_q", block_q), ("block_k", block_k)):
         if b % LANES or b < LANES:
             raise ValueError(f"{name}={b} must be a multiple of {LANES} for the Mosaic (TPU) kernels")
-    cap = -(-T // LANES) * LANES
-    return Geometry(int(T), int(D), min(block_q, cap), min(block_k, cap), bool(causal),
-                    bool(interpret), bool(tpu_interpreter))
+    cap_q, cap_k = (-(-n // LANES) * LANES for n in (T, T_kv or T))
+    return Geometry(int(T), int(D), min(block_q, cap_q), min(block_k, cap_k), bool(causal),
+                    bool(interpret), bool(tpu_interpreter), int(T_kv), bool(positions))
 
 
 def layout(x_BxTxNxD, T_pad: int, geo: Geometry):
@@ -92,8 +107,10 @@ def layout(x_BxTxNxD, T_pad: int, geo: Geometry):
     return pad_axis(pad_axis(x_BxTxNxD, 1, T_pad), 3, geo.Dm).transpose(0, 2, 1, 3)
 
 
-def unlayout(x_BxNxTxDm, geo: Geometry, dtype):
-    return x_BxNxTxDm[:, :, : geo.T, : geo.D].transpose(0, 2, 1, 3).astype(dtype)
+def unlayout(x_BxNxTxDm, geo: Geometry, dtype, length: int | None = None):
+    """The inverse of `layout`: [B, N, T_pad, Dm] -> [B, length (default T), N, D] in dtype."""
+    length = geo.T if length is None else length
+    return x_BxNxTxDm[:, :, :length, : geo.D].transpose(0, 2, 1, 3).astype(dtype)
 
 
 def lanes(x_BxT):
@@ -121,21 +138,27 @@ def _mm(a, b, dims):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=jnp.float32)
 
 
-def _mask(seg_rows_ref, seg_cols_ref, row_pos, col_pos, q_is_row: bool, geo: Geometry):
-    """[rows, cols] bool: same segment, causal (key <= query), key not padding. seg_rows_ref is
-    a lane-replicated [rows, 128] block, seg_cols_ref a sublane-replicated [8, cols] block (one
-    row of it is loaded)."""
-    seg_cols = seg_cols_ref[:1, :]
-    rows, cols = seg_rows_ref.shape[0], seg_cols.shape[1]
-    shape = (rows, cols)
-    mask = _widen(seg_rows_ref[...], cols) == seg_cols
+def _mask(ids, row_pos, col_pos, q_is_row: bool, geo: Geometry):
+    """[rows, cols] bool for one block pair. ids are the id refs of the pair's two blocks, the
+    rows' side lane-replicated [rows, 128], the columns' side sublane-replicated [8, cols] (one
+    row of it is loaded): (segment ids) or, with geo.positions, (segment ids rows, segment ids
+    columns, positions rows, positions columns). Same segment, and causal: by token index
+    (row_pos / col_pos are the blocks' first indices) with padded keys masked, or by position."""
+    seg_cols = ids[1][:1, :]
+    cols = seg_cols.shape[1]
+    mask = _widen(ids[0][...], cols) == seg_cols
+    if geo.positions:
+        rows_pos, cols_pos = _widen(ids[2][...], cols), ids[3][:1, :]
+        qpos, kpos = (rows_pos, cols_pos) if q_is_row else (cols_pos, rows_pos)
+        return mask & (kpos <= qpos)
+    shape = mask.shape
     r = row_pos + lax.broadcasted_iota(jnp.int32, shape, 0)
     c = col_pos + lax.broadcasted_iota(jnp.int32, shape, 1)
     qpos, kpos = (r, c) if q_is_row else (c, r)
     if geo.causal:
         mask = mask & (kpos <= qpos)
-    if geo.Tk > geo.T:
-        mask = mask & (kpos < geo.T)
+    if geo.Tk > geo.Lk:
+        mask = mask & (kpos < geo.Lk)
     return mask
 
 
@@ -194,9 +217,15 @@ def _fwd_maps(walk, G: int):
 # ----------------------------------------------------------------------------- forward
 
 
+def _split(refs, ntab: int, geo: Geometry):
+    """(tables, id refs, the rest) of a kernel's refs."""
+    nids = 4 if geo.positions else 2
+    return refs[:ntab], refs[ntab:ntab + nids], refs[ntab + nids:]
+
+
 def _fwd_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
-    tables = refs[:ntab]
-    sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr = refs[ntab:]
+    tables, ids, (q_ref, k_ref, v_ref, o_ref, lse_ref, m_scr, l_scr, acc_scr) = _split(
+        refs, ntab, geo)
     b, h, i, j = (pl.program_id(a) for a in range(4))
     kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
 
@@ -210,7 +239,7 @@ def _fwd_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         v = v_ref[...]
         s = _mm(q_ref[...], k_ref[...], NT) * geo.scale  # [bq, bk]
         if masked:
-            mask = _mask(sq_ref, sk_ref, i * geo.bq, kb * geo.bk, True, geo)
+            mask = _mask(ids, i * geo.bq, kb * geo.bk, True, geo)
             s = jnp.where(mask, s, NEG)
         m_prev = m_scr[...]  # [bq, 128]
         m_next = jnp.maximum(m_prev, s.max(-1, keepdims=True))
@@ -232,13 +261,27 @@ def _fwd_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         lse_ref[...] = m_scr[...] + jnp.log(l)
 
 
-def forward(tables, seg_BxT, qt, kt, vt, geo: Geometry, walk):
-    """qt [B, H, Tq, Dm], kt/vt [B, K, Tk, Dm] (see `layout`) -> (o [B, H, Tq, Dm] in q's
-    dtype, lse [B, H, Tq] float32)."""
+def _id_inputs(ids, rows_first: bool):
+    """The id arrays as the kernels take them: ids = (seg_q, seg_k[, pos_q, pos_k]), each
+    [B, L] int32 padded to whole blocks; the rows' side (q, or k when not rows_first) goes
+    lane-replicated, the other sublane-replicated, segment ids first."""
+    out = []
+    for q_side, k_side in zip(ids[0::2], ids[1::2]):
+        rows, cols = (q_side, k_side) if rows_first else (k_side, q_side)
+        out += [lanes(rows), sublanes(cols)]
+    return out
+
+
+def _id_specs(ids, rows_spec, cols_spec):
+    return [rows_spec, cols_spec] * (len(ids) // 2)
+
+
+def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
+    """qt [B, H, Tq, Dm], kt/vt [B, K, Tk, Dm] (see `layout`), ids (see `_id_inputs`) ->
+    (o [B, H, Tq, Dm] in out_dtype (default q's), lse [B, H, Tq] float32)."""
     B, H = qt.shape[:2]
     G = H // kt.shape[1]
     bq, bk, Dm = geo.bq, geo.bk, geo.Dm
-    seg_q, seg_k = pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
 
     q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
     o, lse = pl.pallas_call(
@@ -246,9 +289,8 @@ def forward(tables, seg_BxT, qt, kt, vt, geo: Geometry, walk):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(tables),
             grid=(B, H, geo.nq, walk.fwd_steps),
-            in_specs=[
-                pl.BlockSpec((None, bq, LANES), sq_map),
-                pl.BlockSpec((None, SUBLANES, bk), sk_map),
+            in_specs=_id_specs(ids, pl.BlockSpec((None, bq, LANES), sq_map),
+                               pl.BlockSpec((None, SUBLANES, bk), sk_map)) + [
                 pl.BlockSpec((None, None, bq, Dm), q_map),
                 pl.BlockSpec((None, None, bk, Dm), kv_map),
                 pl.BlockSpec((None, None, bk, Dm), kv_map),
@@ -264,13 +306,13 @@ def forward(tables, seg_BxT, qt, kt, vt, geo: Geometry, walk):
             ],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, geo.Tq, Dm), qt.dtype),
-            jax.ShapeDtypeStruct((B, H, geo.Tq, LANES), jnp.float32),
+            out_struct((B, H, geo.Tq, Dm), out_dtype or qt.dtype, qt),
+            out_struct((B, H, geo.Tq, LANES), jnp.float32, qt),
         ],
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_fwd",
-    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt)
+    )(*tables, *_id_inputs(ids, True), qt, kt, vt)
     return o, lse[..., 0]
 
 
@@ -278,9 +320,8 @@ def forward(tables, seg_BxT, qt, kt, vt, geo: Geometry, walk):
 
 
 def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
-    tables = refs[:ntab]
-    (sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref,
-     dq_scr) = refs[ntab:]
+    tables, ids, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr) = _split(
+        refs, ntab, geo)
     b, h, i, j = (pl.program_id(a) for a in range(4))
     kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
 
@@ -293,7 +334,7 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         s = _mm(q_ref[...], k, NT) * geo.scale
         p = jnp.exp(s - jnp.expand_dims(lse_ref[0], -1))  # lse row [1, bq] -> column
         if masked:  # `where`, never a product: exp of a masked score may overflow
-            p = jnp.where(_mask(sq_ref, sk_ref, i * geo.bq, kb * geo.bk, True, geo), p, 0.0)
+            p = jnp.where(_mask(ids, i * geo.bq, kb * geo.bk, True, geo), p, 0.0)
         dp = _mm(do_ref[...], v_ref[...], NT)
         ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
         dq_scr[...] += _mm(ds.astype(k.dtype), k, NN)
@@ -309,9 +350,8 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
     """One step: key block kb against query block qb for all G query heads of kv head kvh.
     The walk's steps for one key block are consecutive (a run): dK/dV accumulate in scratch
     from the run's first step and are written at its last."""
-    tables = refs[:ntab]
-    (sk_ref, sq_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref,
-     dk_scr, dv_scr) = refs[ntab:]
+    tables, ids, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr,
+                  dv_scr) = _split(refs, ntab, geo)
     b, kvh, outer, step = (pl.program_id(a) for a in range(4))
     kb, qb, kind, first, last = walk.bwd(tables, b, kvh, outer, step)
 
@@ -323,7 +363,7 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
     def update(masked):
         k, v = k_ref[...], v_ref[...]
         if masked:
-            mask = _mask(sk_ref, sq_ref, kb * geo.bk, qb * geo.bq, False, geo)
+            mask = _mask(ids, kb * geo.bk, qb * geo.bq, False, geo)
         for g in range(G):  # the query heads sharing this kv head
             q, do = q_ref[g], do_ref[g]
             st = _mm(k, q, NT) * geo.scale  # [bk, bq]: scores transposed
@@ -342,14 +382,13 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
-    """Cotangent do_t [B, H, Tq, Dm] (layout of q) -> dq, dk, dv in the kernels' layout."""
+def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, grad_dtype=None):
+    """Cotangent do_t [B, H, Tq, Dm] (layout of q), lse and delta = rowsum(dO * O) float32
+    [B, H, Tq] -> dq, dk, dv in the kernels' layout, in grad_dtype (default: q's, k's, v's)."""
     B, H = qt.shape[:2]
     K = kt.shape[1]
     G = H // K
     bq, bk, Dm = geo.bq, geo.bk, geo.Dm
-    seg_q, seg_k = pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge")
-    delta = (do_t.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
     ntab = len(tables)
 
     q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
@@ -359,9 +398,8 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=ntab,
             grid=(B, H, geo.nq, walk.fwd_steps),
-            in_specs=[
-                pl.BlockSpec((None, bq, LANES), sq_map),
-                pl.BlockSpec((None, SUBLANES, bk), sk_map),
+            in_specs=_id_specs(ids, pl.BlockSpec((None, bq, LANES), sq_map),
+                               pl.BlockSpec((None, SUBLANES, bk), sk_map)) + [
                 pl.BlockSpec((None, None, bq, Dm), q_map),  # q
                 pl.BlockSpec((None, None, bk, Dm), kv_map),  # k
                 pl.BlockSpec((None, None, bk, Dm), kv_map),  # v
@@ -372,11 +410,11 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
             out_specs=pl.BlockSpec((None, None, bq, Dm), q_map),
             scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
         ),
-        out_shape=jax.ShapeDtypeStruct((B, H, geo.Tq, Dm), qt.dtype),
+        out_shape=out_struct((B, H, geo.Tq, Dm), grad_dtype or qt.dtype, qt),
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dq",
-    )(*tables, lanes(seg_q), sublanes(seg_k), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
+    )(*tables, *_id_inputs(ids, True), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
 
     # dK/dV: grid (B, K, walk.bwd_outer, walk.bwd_steps); the G query heads of a kv head come
     # in one block ([B, K, G, ...] views of the [B, H, ...] arrays are free reshapes).
@@ -397,9 +435,9 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=ntab,
             grid=(B, K, walk.bwd_outer, walk.bwd_steps),
-            in_specs=[
-                pl.BlockSpec((None, bk, LANES), lambda *a: (a[0], k_side(*a), 0)),
-                pl.BlockSpec((None, SUBLANES, bq), lambda *a: (a[0], 0, q_side(*a))),
+            in_specs=_id_specs(
+                ids, pl.BlockSpec((None, bk, LANES), lambda *a: (a[0], k_side(*a), 0)),
+                pl.BlockSpec((None, SUBLANES, bq), lambda *a: (a[0], 0, q_side(*a)))) + [
                 pl.BlockSpec((None, None, G, bq, Dm), q_block),  # q
                 pl.BlockSpec((None, None, bk, Dm), k_block),  # k
                 pl.BlockSpec((None, None, bk, Dm), k_block),  # v
@@ -416,13 +454,13 @@ def backward(tables, seg_BxT, qt, kt, vt, o, lse, do_t, geo: Geometry, walk):
             scratch_shapes=[pltpu.VMEM((bk, Dm), jnp.float32), pltpu.VMEM((bk, Dm), jnp.float32)],
         ),
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, geo.Tk, Dm), kt.dtype),
-            jax.ShapeDtypeStruct((B, K, geo.Tk, Dm), vt.dtype),
+            out_struct((B, K, geo.Tk, Dm), grad_dtype or kt.dtype, kt),
+            out_struct((B, K, geo.Tk, Dm), grad_dtype or vt.dtype, kt),
         ],
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dkv",
-    )(*tables, lanes(seg_k), sublanes(seg_q), grouped(qt), kt, vt, grouped(do_t),
+    )(*tables, *_id_inputs(ids, False), grouped(qt), kt, vt, grouped(do_t),
       grouped(rows8(lse)), grouped(rows8(delta)))
     return dq, dk, dv
 
@@ -434,23 +472,32 @@ def _layouts(q, k, v, geo: Geometry):
     return tuple(layout(x, n, geo) for x, n in ((q, geo.Tq), (k, geo.Tk), (v, geo.Tk)))
 
 
+def edge_ids(seg_BxT, geo: Geometry):
+    """(seg_q, seg_k) of one row's own tokens padded to whole blocks by repeating the last id:
+    padded queries see real keys (their outputs are sliced off, their cotangent is zero) and
+    padded keys are masked by index."""
+    return (pad_axis(seg_BxT, 1, geo.Tq, mode="edge"), pad_axis(seg_BxT, 1, geo.Tk, mode="edge"))
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def attention(q, k, v, seg_BxT, tables, geo: Geometry, walk):
     """Attention over the pairs `walk` visits: q [B, T, H, D], k/v [B, T, K, D] in, q's layout
     and dtype out; seg_BxT int32 (not differentiated), tables a tuple of flat int32 arrays."""
-    o, _ = forward(tables, seg_BxT, *_layouts(q, k, v, geo), geo, walk)
+    o, _ = forward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo), geo, walk)
     return unlayout(o, geo, q.dtype)
 
 
 def _attention_fwd(q, k, v, seg_BxT, tables, geo, walk):
-    o, lse = forward(tables, seg_BxT, *_layouts(q, k, v, geo), geo, walk)
+    o, lse = forward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo), geo, walk)
     return unlayout(o, geo, q.dtype), (q, k, v, seg_BxT, tables, o, lse)
 
 
 def _attention_bwd(geo, walk, res, do):
     q, k, v, seg_BxT, tables, o, lse = res
     do_t = layout(do, geo.Tq, geo)
-    dq, dk, dv = backward(tables, seg_BxT, *_layouts(q, k, v, geo), o, lse, do_t, geo, walk)
+    delta = (do_t.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+    dq, dk, dv = backward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo), do_t, lse,
+                          delta, geo, walk)
     grads = (unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     return (*grads, None, None)
 

@@ -11,10 +11,9 @@
 #      forward and forward+backward (best of a few runs, after one compile run), plus
 #      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks, plus
 #      the ring's chunk op (pallas vs xla; one local chunk holding one document = causal).
-# On TPU ("tpu"): the Mosaic kernels (tests/test_mosaic_attention.py, compiled and interpreted)
-# instead of the Triton suites, 512 x 512 blocks (the Mosaic default) and block-sparse blocks of
-# 128 (Mosaic's minimum); the ring's chunk op has no Mosaic kernels, so its pallas row is left
-# out there.
+# On TPU ("tpu"): the Mosaic kernels (tests/test_mosaic_attention.py, compiled and interpreted:
+# flash, block-sparse and the ring's chunk op, a sparse ring over the TPU's devices) instead of
+# the Triton suites, 512 x 512 blocks (the Mosaic default) and block-sparse blocks of 128.
 # Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
 # Environment: PYTHON (default .venv/bin/python), HEADS (8), KV_HEADS (2), HEAD_DIM (128),
 # BLOCK_Q (128; tpu 512), BLOCK_K (64; tpu 512), REPEATS (5), SPARSE_BLOCK (64; tpu 128).
@@ -137,9 +136,7 @@ for T in map(int, sys.argv[1:]):
     seg = jnp.ones((1, T), jnp.int32)
     rows = [("pallas", impl("pallas")), ("xla", impl("xla")),
             ("jax.nn.dot_product_attention", sdpa)]
-    if jax.default_backend() != "tpu":  # no Mosaic kernels for the ring's chunk op yet
-        rows.append(("ring-chunk-pallas", chunk("pallas")))
-    rows.append(("ring-chunk-xla", chunk("xla")))
+    rows += [("ring-chunk-pallas", chunk("pallas")), ("ring-chunk-xla", chunk("xla"))]
     for label, density in (("1/8", 1 / 8), ("1/4", 1 / 4)):
         for name in ("pallas", "xla"):
             rows.append((f"sparse-{name} {label} b{sbs}", sparse(name, density, T)))

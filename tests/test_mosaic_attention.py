@@ -14,8 +14,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import test_ring_chunk_pallas as chunk_tests
+import test_ring_sparse_pallas as selected_chunk_tests
 from attention_inputs import out_and_vjp, random_blocks, random_qkv, segments
+from jax.sharding import Mesh, PartitionSpec as P
 from tolerances import tol
+
+from jaxsb.parallel import ring as ring_module
+from kernels_pallas.flash_attention import chunk as chunk_module, chunk_tables
 
 from kernels_pallas import attention_reference, block_sparse_attention, flash_attention, mosaic
 from kernels_pallas.block_sparse_attention import pallas as sparse_pallas
@@ -205,6 +211,99 @@ def test_tables_over_the_smem_budget_are_refused():
         jax.eval_shape(fn, q, seg)
     jax.eval_shape(lambda q, s: flash_tpu.flash_attention_mosaic(q, q, q, s, True, 512, 512,
                                                                  False), q, seg)
+
+
+# ------------------------------------------------------------------ the ring's chunk op
+
+# (name, B, L, H, K, D, block, local): 3 blocks of 128 per chunk
+CHUNK_PARAMS = [
+    pytest.param(("local-gqa2", 2, 384, 4, 2, 64, 128, True), jnp.float32, id="local-gqa2-f32"),
+    pytest.param(("split-gqa2-d192", 1, 384, 4, 2, 192, 128, False), jnp.float32,
+                 id="split-gqa2-d192-f32"),
+    pytest.param(("local-gqa2", 1, 384, 2, 1, 64, 128, True), jnp.bfloat16, id="local-gqa2-bf16"),
+]
+
+
+@pytest.fixture
+def mosaic_chunks(monkeypatch):
+    """implementation="pallas" resolves to the Mosaic chunk kernels, as on a TPU backend."""
+    monkeypatch.setattr(chunk_module, "pallas_target", lambda: "mosaic")
+
+
+class TestRingChunkMosaic(selected_chunk_tests.TestRingSparsePallas):
+    """The chunk op's suite with a block selection (which, at "all", is the plain chunk) on
+    the Mosaic kernels in the (generic) Pallas interpreter: out / lse / dq / dk / dv vs the
+    dense oracle for
+    diagonal, random and all selections, local and split chunks; unselected blocks never read.
+    Compiled on a TPU (scripts/gpu_check.sh tpu)."""
+
+    BLOCK = 128
+
+    @pytest.fixture(autouse=True)
+    def _mosaic(self, mosaic_chunks):
+        pass
+
+    @pytest.mark.parametrize("case, dtype", CHUNK_PARAMS)
+    def test_selected_chunk_matches_reference(self, case, dtype):
+        super().test_selected_chunk_matches_reference(case, dtype)
+
+    def test_resolves_to_mosaic(self):
+        assert chunk_module.resolve_chunk_implementation("pallas", True) == ("mosaic", True)
+
+
+class TestRingChunkMosaicCompiled(TestRingChunkMosaic):
+    INTERPRET = False
+
+    @pytest.fixture(autouse=True)
+    def _needs_accelerator(self):
+        if jax.default_backend() != "tpu":
+            pytest.skip("compiled Mosaic needs a TPU")
+
+
+def test_ring_attention_through_mosaic(mosaic_chunks):
+    """ring_attention(implementation="pallas") with the Mosaic chunk kernels (interpreted) on
+    8 devices, rings of 2 and 1 (idle rounds: active=False), equals per-group single-device
+    attention, forward and gradients."""
+    if len(jax.devices()) < chunk_tests.N:
+        pytest.skip(f"needs {chunk_tests.N} devices")
+    seg, pos, perm, groups = chunk_tests._ring_problem((2, 1, 1, 2, 2), 2, seed=5)
+    chunk_tests._compare_ring(seg, pos, perm, groups, chunk_tests.N, check_vma=False,
+                              interpret=True, dtype=jnp.float32, block=128)
+
+
+def test_chunk_and_ring_lower_to_mosaic_for_tpu():
+    """The chunk op's forward, dQ and dK/dV, and a 2-device ring of them under
+    shard_map(check_vma=True) (out_shapes carry the varying mesh axis), lower to Mosaic for
+    TPU from this host."""
+    B, L, H, K, D = 1, 600, 4, 2, 128
+    q = jax.ShapeDtypeStruct((B, L, H, D), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((B, L, K, D), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((B, L), jnp.int32)
+    plan = chunk_tables.make_chunk_plan(L, L, D, 256, 128, False, pallas=True, interpret=False,
+                                        mosaic=True)
+
+    def loss(q, k, v, sq, pq, sk, pk):
+        out, lse = chunk_module._chunk(q, k, v, sq, pq, sk, pk, "mosaic", plan)
+        return out.astype(jnp.float32).sum() + lse.sum()
+
+    grad = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+    module = jax.export.export(grad, platforms=("tpu",))(q, kv, kv, ids, ids, ids, ids).mlir_module()
+    assert module.count("tpu_custom_call") == 3
+
+    if len(jax.devices()) < 2:
+        pytest.skip("needs 2 devices")
+    mesh = Mesh(np.array(jax.devices()[:2]), ("d",))
+    cfg = ring_module.RingConfig("d", ((0, 2),), 128, implementation="mosaic", interpret=False)
+    f = chunk_tests.shard_map(lambda q, k, v, s, p: ring_module._ring(q, k, v, s, p, cfg),
+                              mesh=mesh, in_specs=(P(None, "d"),) * 5, out_specs=P(None, "d"),
+                              check_vma=True)
+    grad = jax.jit(jax.grad(lambda q, k, v, s, p: f(q, k, v, s, p).astype(jnp.float32).sum(),
+                            argnums=(0, 1, 2)))
+    x = jax.ShapeDtypeStruct((1, 2 * 256, 4, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 2 * 256, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 2 * 256), jnp.int32)
+    module = jax.export.export(grad, platforms=("tpu",))(x, kv, kv, ids, ids).mlir_module()
+    assert module.count("tpu_custom_call") == 6  # 2 rounds x forward, dQ, dK/dV
 
 
 # ------------------------------------------------------------------ lowering and dispatch

@@ -410,7 +410,7 @@ def _ring_problem(degrees, B, seed, num_devices=N):
     return seg, pos, np.concatenate(perm), tuple(groups)
 
 
-def _compare_ring(seg, pos, perm, groups, num_devices, check_vma, interpret, dtype):
+def _compare_ring(seg, pos, perm, groups, num_devices, check_vma, interpret, dtype, block=16):
     """ring_attention(implementation="pallas") vs per-group single-device attention: outputs
     and dq, dk, dv (grad of the psum'd loss, taken outside the shard_map)."""
     B, H, K, D = seg.shape[0], 4, 2, 16
@@ -424,7 +424,7 @@ def _compare_ring(seg, pos, perm, groups, num_devices, check_vma, interpret, dty
     sharded = [jnp.asarray(x)[:, perm] for x in (seg, pos, ct)]
 
     def body(q, k, v, seg, pos, ct):
-        out = ring_attention(q, k, v, seg, pos, axis_name="d", groups=groups, block=16,
+        out = ring_attention(q, k, v, seg, pos, axis_name="d", groups=groups, block=block,
                              implementation="pallas", interpret=interpret)
         return jax.lax.psum(jnp.sum(out.astype(jnp.float32) * ct), "d"), out
 

@@ -12,7 +12,8 @@ shard to the visiting key/value shard, is one call of the chunk op
 `kernels_pallas.flash_attention.chunk` (`chunk_forward` / `chunk_backward`, called through
 `forward_with_plan` / `backward_with_plan` with the implementation resolved once), whose
 `implementation` is "xla" (blocked jnp + lax loops, any backend) or "pallas" (Pallas kernels:
-Triton on GPU, the interpreter on a CPU host); ring_attention's "auto" is Pallas on GPU and
+Triton on GPU, Mosaic on TPU (resolved to "mosaic"), the interpreter on a CPU host);
+ring_attention's "auto" is Pallas on GPU and
 XLA elsewhere (kernels_pallas.common.resolve_implementation).
 
 Forward. In round r = 0 .. max_degree-1 a device attends its q shard to the kv shard of ring
@@ -102,7 +103,8 @@ def zigzag_layout(num_tokens: int, degree: int) -> np.ndarray:
 @dataclasses.dataclass(frozen=True)
 class RingConfig:
     """Static description of one call: the mesh axis, its groups, the block size and the
-    chunk implementation ("xla" | "pallas", already resolved; `interpret` for Pallas)."""
+    chunk implementation ("xla" | "pallas" | "mosaic", already resolved; `interpret` for
+    Pallas)."""
 
     axis_name: str
     groups: tuple[tuple[int, int], ...]
@@ -266,7 +268,8 @@ def _plan(cfg: RingConfig, q, local: bool) -> ChunkPlan:
     """The chunk blocking of one round (q and the visiting k/v shard have T tokens each)."""
     T, D = q.shape[1], q.shape[3]
     return make_chunk_plan(T, T, D, cfg.block, cfg.block, local,
-                           pallas=cfg.implementation == "pallas", interpret=cfg.interpret)
+                           pallas=cfg.implementation != "xla", interpret=cfg.interpret,
+                           mosaic=cfg.implementation == "mosaic")
 
 
 def _ride(k, v, seg, pos):
@@ -345,8 +348,8 @@ def _check(q, k, v, seg, pos, axis_name, groups, block, implementation: str = "x
     groups = check_groups(groups, _axis_size(axis_name))
     if implementation == "xla":  # the Pallas chunk clamps to a power of two itself
         block = min(block, T)
-    make_chunk_plan(T, T, q.shape[3], block, block, True, pallas=implementation == "pallas",
-                    interpret=interpret)  # block errors now, not from inside the ring loop
+    make_chunk_plan(T, T, q.shape[3], block, block, True, pallas=implementation != "xla",
+                    interpret=interpret, mosaic=implementation == "mosaic")  # errors now
     return RingConfig(axis_name=axis_name, groups=groups, block=block,
                       implementation=implementation, interpret=interpret)
 
@@ -373,7 +376,7 @@ def ring_attention(
     Padding outputs are finite but arbitrary (they attend only part of the padding).
 
     `block`: query and key block length of each round's chunk (clamped to T; compiled Pallas
-    needs a power of two >= 16). `implementation`: "xla" | "pallas" | "auto" (Pallas on GPU,
+    needs a power of two >= 16 on GPU, a multiple of 128 on TPU). `implementation`: "xla" | "pallas" | "auto" (Pallas on GPU,
     XLA elsewhere; see kernels_pallas.flash_attention.chunk); `interpret` (Pallas only): None =
     the Pallas interpreter iff the backend is CPU. The interpreter needs
     shard_map(check_vma=False) (module doc).

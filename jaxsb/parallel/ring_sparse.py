@@ -337,7 +337,7 @@ def _round(cfg: RingConfig, q, local: bool, active, ride, s_owner, s_local):
     K = kv.shape[2] // 2
     T, D = q.shape[1], q.shape[3]
     plan = make_chunk_plan(T, T, D, cfg.block, cfg.block, local, pallas=True,
-                           interpret=cfg.interpret)
+                           interpret=cfg.interpret, mosaic=cfg.implementation == "mosaic")
     sel = _selection(s_owner, s_local, origin[0], active, T // cfg.block)
     return plan, (kv[:, :, :K], kv[:, :, K:], sp[..., 0], sp[..., 1]), sel
 
@@ -349,8 +349,8 @@ def _forward_pallas(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
     def step(active, local, ride, _, state):
         plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
                                                       s_local)
-        out_r, lse_r = forward_with_plan("pallas", plan, q, k_r, v_r, seg, pos, seg_r, pos_r,
-                                         active, sel)
+        out_r, lse_r = forward_with_plan(cfg.implementation, plan, q, k_r, v_r, seg, pos,
+                                         seg_r, pos_r, active, sel)
         return None, merge_chunks(*state, out_r, lse_r)
 
     state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
@@ -367,8 +367,8 @@ def _backward_pallas(cfg: RingConfig, res, do):
     def step(active, local, ride, dkv, dq):
         plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
                                                       s_local)
-        dq_r, dk_r, dv_r = backward_with_plan("pallas", plan, q, k_r, v_r, seg, pos, seg_r,
-                                              pos_r, do, lse, delta, active, sel)
+        dq_r, dk_r, dv_r = backward_with_plan(cfg.implementation, plan, q, k_r, v_r, seg, pos,
+                                              seg_r, pos_r, do, lse, delta, active, sel)
         return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
     dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), _full(k, (B, T, 2 * K, D)),
@@ -378,8 +378,9 @@ def _backward_pallas(cfg: RingConfig, res, do):
 
 # ----------------------------------------------------------------------------- custom_vjp
 
-_FORWARD = {"xla": _forward_xla, "pallas": _forward_pallas}
-_BACKWARD = {"xla": _backward_xla, "pallas": _backward_pallas}
+# "mosaic" is what "pallas" resolves to on TPU: the same rounds on the Mosaic chunk kernels
+_FORWARD = {"xla": _forward_xla, "pallas": _forward_pallas, "mosaic": _forward_pallas}
+_BACKWARD = {"xla": _backward_xla, "pallas": _backward_pallas, "mosaic": _backward_pallas}
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7,))

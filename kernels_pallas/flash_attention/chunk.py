@@ -24,7 +24,8 @@ out 0 / lse NEG and zero gradients; a ring device whose ring has no round r uses
 collective sits under a conditional. `local` says q and k are the same tokens (round 0).
 
 implementation: "xla" (chunk_xla.py, batch-shared block table), "pallas" (chunk_pallas.py,
-per-row tables; interpreted on a CPU host unless `interpret` says otherwise), "auto" = Pallas
+Triton, per-row tables; interpreted on a CPU host unless `interpret` says otherwise; on a TPU
+backend it resolves to "mosaic", chunk_mosaic.py), "auto" = Pallas
 on common.AUTO_PALLAS_BACKENDS (GPU), XLA elsewhere, as for flash_attention. Blocks default to
 ops.DEFAULT_BLOCKS of the implementation; L need not be a multiple of them.
 """
@@ -36,24 +37,30 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from kernels_pallas.common import resolve_implementation
-from kernels_pallas.flash_attention.chunk_pallas import (chunk_backward_pallas,
-                                                         chunk_forward_pallas, varying_axes)
+from kernels_pallas.common import pallas_target, resolve_implementation, varying_axes
+from kernels_pallas.flash_attention.chunk_mosaic import chunk_backward_mosaic, chunk_forward_mosaic
+from kernels_pallas.flash_attention.chunk_pallas import chunk_backward_pallas, chunk_forward_pallas
 from kernels_pallas.flash_attention.chunk_tables import ChunkPlan, make_chunk_plan
 from kernels_pallas.flash_attention.chunk_xla import chunk_backward_xla, chunk_forward_xla
 from kernels_pallas.flash_attention.ops import DEFAULT_BLOCKS
 
 IMPLEMENTATIONS = ("auto", "xla", "pallas")
-_FORWARD = {"xla": chunk_forward_xla, "pallas": chunk_forward_pallas}
-_BACKWARD = {"xla": chunk_backward_xla, "pallas": chunk_backward_pallas}
+_FORWARD = {"xla": chunk_forward_xla, "pallas": chunk_forward_pallas,
+            "mosaic": chunk_forward_mosaic}
+_BACKWARD = {"xla": chunk_backward_xla, "pallas": chunk_backward_pallas,
+             "mosaic": chunk_backward_mosaic}
 
 
 def resolve_chunk_implementation(implementation: str, interpret: bool | None = None):
-    """("xla" | "pallas", interpret) for "auto" | "xla" | "pallas", as
-    common.resolve_implementation decides it for flash_attention."""
+    """("xla" | "pallas" | "mosaic", interpret) for "auto" | "xla" | "pallas", as
+    common.resolve_implementation decides it for flash_attention; "pallas" resolves to the
+    kernels of the backend: "mosaic" (chunk_mosaic.py) on TPU, "pallas" (Triton) elsewhere."""
     if implementation not in IMPLEMENTATIONS:
         raise ValueError(f"{implementation=} must be one of {IMPLEMENTATIONS}")
-    return resolve_implementation(implementation, interpret)
+    implementation, interpret = resolve_implementation(implementation, interpret)
+    if implementation == "pallas" and pallas_target() == "mosaic":
+        implementation = "mosaic"
+    return implementation, interpret
 
 
 def _check(q, k, v, seg_q, pos_q, seg_k, pos_k):
@@ -77,7 +84,7 @@ def _check(q, k, v, seg_q, pos_q, seg_k, pos_k):
 def check_interpreter_outside_vma(implementation: str, interpret: bool, q) -> None:
     """The Pallas interpreter of JAX 0.10 does not track shard_map's varying mesh axes (it
     fails deep inside its lowering); refuse that combination up front, with the way out."""
-    if implementation == "pallas" and interpret and varying_axes(q):
+    if implementation != "xla" and interpret and varying_axes(q):
         raise ValueError(
             "the Pallas interpreter (interpret=True) does not track shard_map's varying mesh "
             f"axes ({sorted(varying_axes(q))}): run it under shard_map(check_vma=False), or "
@@ -92,7 +99,8 @@ def _setup(q, k, local, implementation, block_q, block_k, interpret) -> tuple[st
         q.shape[1], k.shape[1], q.shape[3],
         default.block_q if block_q is None else block_q,
         default.block_k if block_k is None else block_k,
-        local, pallas=implementation == "pallas", interpret=interpret)
+        local, pallas=implementation != "xla", interpret=interpret,
+        mosaic=implementation == "mosaic")
     return implementation, plan
 
 
@@ -101,7 +109,7 @@ def _with_select(implementation: str, select):
     the batch, and jaxsb/parallel/ring_sparse.py keeps its own XLA rounds)."""
     if select is None:
         return {}
-    if implementation != "pallas":
+    if implementation == "xla":
         raise ValueError(f"a block selection needs implementation='pallas', got {implementation=} "
                          "(the XLA block-sparse ring is jaxsb.parallel.ring_sparse's own code)")
     return {"select": select}
@@ -109,19 +117,20 @@ def _with_select(implementation: str, select):
 
 def forward_with_plan(implementation: str, plan: ChunkPlan, q, k, v, seg_q, pos_q, seg_k,
                       pos_k, active=True, select=None):
-    """chunk_forward for a resolved implementation ("xla" | "pallas") and a made plan
+    """chunk_forward for a resolved implementation ("xla" | "pallas" | "mosaic") and a made plan
     (chunk_tables.make_chunk_plan), without argument checks: for callers that resolved them
     once (ring.py, ring_sparse.py), and for lowering compiled kernels on a host without the
     accelerator."""
     return _FORWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, active, plan,
-                                    **_with_select(implementation, select))
+                                              **_with_select(implementation, select))
 
 
 def backward_with_plan(implementation: str, plan: ChunkPlan, q, k, v, seg_q, pos_q, seg_k,
                        pos_k, do, lse, delta, active=True, select=None):
     """chunk_backward counterpart of forward_with_plan."""
-    return _BACKWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta,
-                                     active, plan, **_with_select(implementation, select))
+    return _BACKWARD[implementation](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse,
+                                               delta, active, plan,
+                                               **_with_select(implementation, select))
 
 
 def _check_select(select, q, k, plan: ChunkPlan):
@@ -188,7 +197,8 @@ def _chunk_bwd(impl, plan, res, cts):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     do, dlse = cts
     delta = (do.astype(jnp.float32) * out).sum(-1) - dlse  # d lse / d s = p
-    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, True, plan)
+    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta,
+                                           True, plan)
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
 
 

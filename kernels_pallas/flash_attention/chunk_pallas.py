@@ -34,39 +34,15 @@ track them, so interpreted kernels need check_vma=False there (ring.py says so u
 from __future__ import annotations
 
 import functools
-import inspect
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN, NT, TN, dot, pad_axis, triton_compiler_params
+from kernels_pallas.common import out_struct as _out_struct
 from kernels_pallas.flash_attention import chunk_tables as tables
 from kernels_pallas.flash_attention.chunk_tables import FULL, PARTIAL, SKIP, ChunkPlan
-
-_STRUCT_PARAMS = inspect.signature(jax.ShapeDtypeStruct).parameters
-
-
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes x varies over (empty outside shard_map or with check_vma=False)."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # JAX 0.10+
-    if mat is not None:
-        return frozenset(mat.varying)
-    return frozenset(getattr(aval, "vma", ()))  # older JAX
-
-
-def _out_struct(shape, dtype, like):
-    """ShapeDtypeStruct that varies over the same mesh axes as `like` (pallas_call under
-    shard_map(check_vma=True) wants them on every out_shape; the keyword changed names)."""
-    aval = jax.typeof(like)
-    if "manual_axis_type" in _STRUCT_PARAMS and getattr(aval, "manual_axis_type", None) is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=aval.manual_axis_type)
-    if "vma" in _STRUCT_PARAMS and hasattr(aval, "vma"):
-        return jax.ShapeDtypeStruct(shape, dtype, vma=aval.vma)
-    return jax.ShapeDtypeStruct(shape, dtype)
-
 
 # ----------------------------------------------------------------------------- kernels
 

@@ -78,9 +78,10 @@ class ChunkPlan:
 
 
 def make_chunk_plan(Lq: int, Lk: int, D: int, block_q: int, block_k: int, local: bool,
-                    pallas: bool, interpret: bool = False) -> ChunkPlan:
-    """XLA: blocks clamped to the chunk lengths. Pallas: clamped to the next power of two
-    >= the length (>= 16), and compiled Pallas needs powers of two >= 16."""
+                    pallas: bool, interpret: bool = False, mosaic: bool = False) -> ChunkPlan:
+    """XLA: blocks clamped to the chunk lengths. Pallas on GPU (Triton): clamped to the next
+    power of two >= the length (>= 16), and compiled it needs powers of two >= 16. Pallas on
+    TPU (`mosaic`): multiples of 128, clamped to the length rounded up to 128."""
     if local and Lq != Lk:
         raise ValueError(f"local=True means q and k are the same tokens, but {Lq=} != {Lk=}")
     for name, b in (("block_q", block_q), ("block_k", block_k)):
@@ -88,6 +89,13 @@ def make_chunk_plan(Lq: int, Lk: int, D: int, block_q: int, block_k: int, local:
             raise ValueError(f"{name}={b!r} must be a positive int")
     if not pallas:
         return ChunkPlan(Lq, Lk, D, min(block_q, Lq), min(block_k, Lk), bool(local))
+    if mosaic:
+        for name, b in (("block_q", block_q), ("block_k", block_k)):
+            if b % 128:
+                raise ValueError(f"{name}={b} must be a multiple of 128 for the Mosaic (TPU) "
+                                 f"kernels ({Lq=}, {Lk=})")
+        bq, bk = (min(b, -(-n // 128) * 128) for b, n in ((block_q, Lq), (block_k, Lk)))
+        return ChunkPlan(Lq, Lk, D, bq, bk, bool(local), bool(interpret))
     bq = min(block_q, max(16, next_pow2(Lq)))
     bk = min(block_k, max(16, next_pow2(Lk)))
     if not interpret:
