@@ -91,12 +91,18 @@ def test_router_selection_matches_reference_across_budgets():
     T, bs, B, H, K, D = T_MAIN, 8, 2, 4, 2, 16
     q, k, v = _inputs(B, T, H, K, D, jnp.float32, seed=5)
     seg = _segments(T, SEG_MAIN)
-    for budgets in ([1, 1], [2, 5], [10, 10]):
-        idx, counts, _ = route(q, k, seg, jnp.asarray(budgets), bs, max_blocks=6)
-        run = lambda impl: _out_and_vjp(
+    # budgets and block lists are data, as in training: one program per implementation
+    # serves every budget (closed over, each budget's lists would compile anew)
+    lists = jax.jit(lambda budgets: route(q, k, seg, budgets, bs, max_blocks=6)[:2])
+    run = {
+        impl: jax.jit(lambda idx, counts, impl=impl: _out_and_vjp(
             lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg, bs, impl), (q, k, v)
-        )
-        _assert_close(*run("xla"), *run("reference"), jnp.float32)
+        ))
+        for impl in ("xla", "reference")
+    }
+    for budgets in ([1, 1], [2, 5], [10, 10]):
+        idx, counts = lists(jnp.asarray(budgets))
+        _assert_close(*run["xla"](idx, counts), *run["reference"](idx, counts), jnp.float32)
 
 
 def test_invalid_slots_are_ignored_and_never_visited():
@@ -130,14 +136,15 @@ def test_duplicates_count_once_and_empty_rows_are_zero():
     idx = jnp.broadcast_to(base, (B, K, nq, 4)).astype(jnp.int32)
     counts = jnp.full((B, K, nq), 4, jnp.int32)
     once = jnp.broadcast_to(base[:, :2], (B, K, nq, 2)).astype(jnp.int32)
-    got = block_sparse_attention(q, k, v, idx, counts, None, bs, "xla")
-    want = block_sparse_attention(q, k, v, once, jnp.full((B, K, nq), 2, jnp.int32), None, bs, "reference")
+    attend = jax.jit(block_sparse_attention, static_argnums=(6, 7))  # one program per call, not op by op
+    got = attend(q, k, v, idx, counts, None, bs, "xla")
+    want = attend(q, k, v, once, jnp.full((B, K, nq), 2, jnp.int32), None, bs, "reference")
     np.testing.assert_allclose(got, want, **tol("attention_out", jnp.float32))
     # query block 2 lists only the future block 3: its rows see nothing and output zeros
     idx2 = once.at[:, :, 2, 0].set(3)
     c2 = jnp.full((B, K, nq), 2, jnp.int32).at[:, :, 2].set(1)
     for impl in ("xla", "reference"):
-        out = np.asarray(block_sparse_attention(q, k, v, idx2, c2, None, bs, impl))
+        out = np.asarray(attend(q, k, v, idx2, c2, None, bs, impl))
         np.testing.assert_array_equal(out[0, 16:24], 0.0)
 
 
@@ -160,7 +167,8 @@ def test_no_information_crosses_documents_or_unselected_blocks():
         assert np.any(g[0, in_a] != 0.0), f"d{name} is zero inside document 2"
     # keys of doc 2 in blocks 1, 2 are not selected by query block 5: no gradient from it
     w5 = w.at[:, :40].set(0.0)
-    dk = np.asarray(jax.grad(lambda k: (block_sparse_attention(q, k, v, idx, counts, seg, bs) * w5).sum())(k))
+    dk = jax.jit(jax.grad(lambda k: (block_sparse_attention(q, k, v, idx, counts, seg, bs) * w5).sum()))(k)
+    dk = np.asarray(dk)
     assert np.all(dk[0, :24] == 0.0) and np.any(dk[0, 24:40] != 0.0)
 
 
@@ -303,24 +311,19 @@ def test_unmasked_steps_are_exact():
     meta = xla._metadata(idx, counts, seg, xla.make_plan(B, T, H, K, bs, gq=3))
     full = np.asarray(meta.full)  # [groups, slots]
     assert full[:3, :3].all() and not full[:, 3].any() and not full[3].any()
-    f = lambda impl: _out_and_vjp(
-        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg, bs, impl), (q, k, v)
-    )
-    got = _out_and_vjp(
+    # segment ids are data (as in training): one program per implementation serves both layouts
+    got = jax.jit(lambda seg: _out_and_vjp(
         lambda q, k, v: xla.block_sparse_attention_xla(q, k, v, idx, counts, seg, bs, 3), (q, k, v)
-    )
-    _assert_close(*got, *f("reference"), jnp.float32)
+    ))
+    want = jax.jit(lambda seg: _out_and_vjp(
+        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg, bs, "reference"), (q, k, v)
+    ))
+    _assert_close(*got(seg), *want(seg), jnp.float32)
     # a second document starting inside block 5 makes every step that touches it masked
     seg2 = jnp.asarray(np.where(np.arange(T) < 44, 1, 2)[None], jnp.int32)
     meta2 = xla._metadata(idx, counts, seg2, xla.make_plan(B, T, H, K, bs, gq=3))
     assert np.asarray(meta2.full).sum() < full.sum()
-    got2 = _out_and_vjp(
-        lambda q, k, v: xla.block_sparse_attention_xla(q, k, v, idx, counts, seg2, bs, 3), (q, k, v)
-    )
-    want2 = _out_and_vjp(
-        lambda q, k, v: block_sparse_attention(q, k, v, idx, counts, seg2, bs, "reference"), (q, k, v)
-    )
-    _assert_close(*got2, *want2, jnp.float32)
+    _assert_close(*got(seg2), *want(seg2), jnp.float32)
 
 
 def test_slots_past_a_blocks_own_count_read_nothing():
@@ -338,10 +341,11 @@ def test_slots_past_a_blocks_own_count_read_nothing():
     counts = np.ones((B, K, nq), np.int32)
     counts[..., 7] = 2
     v_nan = v.at[:, 40:48].set(jnp.nan)  # block 5: selected only by itself (its diagonal)
-    f = lambda v: block_sparse_attention_xla(q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, nq)
+    f = jax.jit(lambda v: block_sparse_attention_xla(q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, nq))
     out = np.asarray(f(v_nan))
     keep = np.ones(T, bool)
     keep[40:48] = False
     assert np.all(np.isfinite(out[:, keep])), "a slot past its block's count read a listed block"
-    want = block_sparse_attention(q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, "reference")
+    want = jax.jit(block_sparse_attention, static_argnums=(6, 7))(
+        q, k, v, jnp.asarray(idx), jnp.asarray(counts), None, bs, "reference")
     np.testing.assert_allclose(f(v), want, **tol("attention_out", jnp.float32))
