@@ -108,7 +108,9 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
         stats: list = []
         local = _local_attention(model_cfg, stats)
         qa, ka, va, sa = q[:, :S], k[:, :S], v[:, :S], seg[:, :S]
-        if mb.scheme == "ring" and model_cfg.attention == "sparse":
+        if S == 0:  # no sharded sequence anywhere (e.g. Skrull kept every one whole): no stream to attend
+            out = qa
+        elif mb.scheme == "ring" and model_cfg.attention == "sparse":
             from jaxsb.parallel.ring_sparse import ring_sparse_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
