@@ -116,7 +116,7 @@ class StepTimer:
 
         from jaxsb.mesh import make_mesh
         from jaxsb.models.llama import Llama
-        from jaxsb.trainer import split_model
+        from jaxsb.training.state import split_model
 
         self.jax = jax
         self.model_cfg, self.scheme = model_cfg, scheme
@@ -130,8 +130,8 @@ class StepTimer:
         self.compile_seconds = 0.0
 
     def plan(self, shape: Shape):
-        from jaxsb.parallel.executor import alignment
-        from jaxsb.planner.plan import GroupSpec, build_plan
+        from jaxsb.plan import alignment
+        from jaxsb.plan import GroupSpec, build_plan
 
         scheme = "local" if shape.degree == 1 else self.scheme
         ids = tuple(range(len(shape.lengths)))
@@ -142,8 +142,9 @@ class StepTimer:
         """(a call running the step once and waiting for it, the plan's shard_len); compiles."""
         import jax.numpy as jnp
 
-        from jaxsb.parallel.executor import check_executable, layout_plan, plan_value_and_grad
-        from jaxsb.parallel.layout import SeqData
+        from jaxsb.parallel.executor import layout_plan, plan_value_and_grad
+        from jaxsb.plan import check_executable
+        from jaxsb.plan.layout import SeqData
 
         plan = self.plan(shape)
         check_executable(plan.template, self.model_cfg)
@@ -244,7 +245,7 @@ def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] =
               f"{platform.machine()}, {jax.devices()[0].platform} x {n} devices, jax {jax.__version__}), "
               f"config {cfg.name}: hidden {mc.hidden}, layers {mc.layers}, vocab {mc.vocab_size}, "
               f"attention {mc.attention}, scheme {scheme}; {datetime.date.today().isoformat()}")
-    from jaxsb.parallel.executor import alignment
+    from jaxsb.plan import alignment
 
     fit = fit_calibrated([(timer.plan(m.shape), m.ms) for m in rows if not m.shape.held_out],
                          name=f"calibrated:{cfg.name}", attention_block=mc.attention_block,

@@ -18,6 +18,7 @@ from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 ATTENTION_IMPLEMENTATIONS = ("xla", "flash", "sparse", "reference", "jax")
+SINGLE_DEVICE_ATTENTION = ("reference", "jax")  # oracle / naive baseline: no ring version
 PLANNERS = ("none", "static", "batch-adaptive", "flexsp", "skrull", "jaxsb")
 CONFIG_DIR = REPO_ROOT / "configs"
 
@@ -244,6 +245,9 @@ class Config:
                "its own tokenizer (kind=auto or model)")
         _check(pretrained or self.tokenizer.kind != "model", "tokenizer.kind",
                "kind=model needs a pretrained model.init (smollm2-135m or hf:DIR)")
+        _check(self.parallel.planner == "none" or self.model.attention not in SINGLE_DEVICE_ATTENTION,
+               "model.attention", f"{self.model.attention!r} has no sequence-parallel (ring) version; with "
+               f"parallel.planner={self.parallel.planner!r} use one of xla, flash, sparse (or parallel.planner=none)")
         return self
 
     def to_dict(self) -> dict[str, Any]:

@@ -138,13 +138,6 @@ def _pickle_error(e: Exception) -> bytes:
         return pickle.dumps(("error", RuntimeError(f"on process 0: {type(e).__name__}: {e}")))
 
 
-def barrier(name: str, timeout_s: float = SHARE_TIMEOUT_S) -> None:
-    """Waits until every process reaches `name` (unique within the run); one process: no-op."""
-    client = _client()
-    if client is not None:
-        client.wait_at_barrier(name, int(timeout_s * 1000))
-
-
 def global_array(host, sharding):
     """A host array that every process holds whole (computed the same way everywhere) placed
     on `sharding`'s devices: each process fills only its own devices' shards, so nothing

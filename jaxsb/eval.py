@@ -35,9 +35,9 @@ def load_for_eval(cfg, workdir: str | None):
     from flax import nnx
 
     from jaxsb import mesh as mesh_lib
-    from jaxsb.checkpoint import Checkpointer, abstract_with_shardings
+    from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
     from jaxsb.config import ConfigError, config_from_json
-    from jaxsb.trainer import build_model_fns, load_model_and_tokenizer
+    from jaxsb.training.state import build_model_fns, load_model_and_tokenizer
 
     if workdir:
         path = os.path.join(workdir, "config.json")

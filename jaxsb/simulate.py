@@ -17,12 +17,10 @@ reported lower bound); writes per-step plans as JSON (`--out`) and PNG plots (`-
 from __future__ import annotations
 
 import argparse
-import inspect
 import json
 import math
 import os
 import sys
-import time
 from typing import Iterable, Sequence
 
 import numpy as np
@@ -98,12 +96,6 @@ def make_batches(source: Iterable[int], num_devices: int, global_batch: int, max
 # ------------------------------------------------------------------------------ planning
 
 
-def planner_options(cls, offered: dict) -> dict:
-    """The offered options that the planner's constructor names (dp/cp go only to CP planners)."""
-    params = inspect.signature(cls.__init__).parameters
-    return {k: v for k, v in offered.items() if k in params}
-
-
 def describe_plan(cost, plan) -> list[dict]:
     """JSON-able micro-batches of a plan: time and groups (degree, scheme, lengths; Skrull groups
     also `sharded` and per-rank `local` lengths). Empty degree-1 groups (idle devices) are left
@@ -142,19 +134,17 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print) -> di
     for name, planner in planners.items():
         steps = []
         for step, batch in enumerate(batches):
-            t0 = time.perf_counter()
-            plan = planner.plan(batch)
-            wall = time.perf_counter() - t0
-            info = dict(getattr(planner, "last_info", {}) or {})
+            solution = planner.solve(batch)
+            plan, info = solution.plan, solution.info
             ms = cost.plan_time_ms(plan)
             mem = plan_memory_mb(cost, plan)
-            rec = dict(step=step, solve_seconds=float(info.get("solve_seconds", wall)), modeled_ms=ms,
-                       fell_back=bool(info.get("fell_back", False)), message=str(info.get("message", "")),
+            rec = dict(step=step, solve_seconds=info.solve_seconds, modeled_ms=ms,
+                       fell_back=info.fell_back, message=info.message,
                        template=plan.summary(), peak_memory_mb=round(mem, 1),
                        feasible=bool(mem <= cost.memory_limit_mb + 1e-6),
                        microbatches=describe_plan(cost, plan))
-            if info.get("lower_bound_ms") is not None:
-                rec["lower_bound_ms"] = float(info["lower_bound_ms"])
+            if info.lower_bound_ms is not None:
+                rec["lower_bound_ms"] = float(info.lower_bound_ms)
             if not rec["feasible"]:
                 log(f"warning: {name} step {step}: plan needs {mem:.0f} MB per device, "
                     f"limit {cost.memory_limit_mb:.0f} MB")
@@ -287,8 +277,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxsb.planner.cost import load_preset
-    from jaxsb.planner.plan import PlanError
-    from jaxsb.planner.registry import planner_class
+    from jaxsb.plan import PlanError
+    from jaxsb.planner.registry import make_planner, planner_options
 
     try:
         n = args.devices
@@ -323,19 +313,11 @@ def main(argv: list[str] | None = None) -> int:
             if pname not in per_planner:
                 raise ValueError(f"--planner-option {item!r}: planner {pname!r} is not among --planner {names}")
             per_planner[pname][opt] = parse_value(val)
-        offered = {}
-        if args.time_limit is not None:
-            offered["time_limit_s"] = args.time_limit
-        if args.dp:
-            offered.update(dp=args.dp, cp=args.cp)
         planners = {}
         for name in names:
-            cls = planner_class(name)
-            opts = planner_options(cls, offered)
-            if name == "static" and args.cp and "degree" not in per_planner[name]:
-                opts["degree"] = args.cp
+            opts = planner_options(name, n, time_limit_s=args.time_limit, degree=args.cp, dp=args.dp, cp=args.cp)
             opts.update(per_planner[name])
-            planners[name] = cls(cost, n, **opts)
+            planners[name] = make_planner(name, cost, n, **opts)
 
         source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, args.seed)
         batches, dropped, scanned = make_batches(source, n, args.global_batch, args.max_len, args.steps)

@@ -15,7 +15,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxsb.config import ConfigError
     from jaxsb.data import DataError
     from jaxsb.devices import is_main_process
-    from jaxsb.trainer import train
+    from jaxsb.training.trainer import train
 
     try:
         result = train(cfg)

@@ -20,7 +20,7 @@ its last block with kind SKIP, so the pipeline issues no new copy and the step c
 grid overhead: the copies and the arithmetic both follow the walk, as in splash attention.
 `flash_attention/pallas_tpu.py` (contiguous key-block ranges, kinds from per-block segment
 summaries), `block_sparse_attention/pallas_tpu.py` (explicit per-block lists) and
-`flash_attention/chunk_mosaic.py` (the ring's chunk op: ranges and kinds from its own table)
+`ring_chunk/pallas_tpu.py` (the ring's chunk op: ranges and kinds from its own table)
 are the walks. The mask is by token index (causal, padded keys masked) or, for the chunk op
 (`Geometry.positions`), by per-token (segment id, position) on both sides, with separate query
 and key lengths (`Geometry.T_kv`).
@@ -46,7 +46,7 @@ the input dtype (bfloat16 goes to the MXU as bfloat16, float32 at HIGHEST precis
 dS are cast to the value / query dtype before their matmuls, as FlashAttention does.
 
 Checked on a CPU host only: numerics through the Pallas interpreter, and lowering to Mosaic
-through `jax.export(..., platforms=["tpu"])` (tests/test_mosaic_attention.py). Mosaic's own
+through `jax.export(..., platforms=["tpu"])` (tests/kernels/test_mosaic_attention.py). Mosaic's own
 layout passes run in libtpu when a TPU compiles the kernel; they have not run yet.
 """
 

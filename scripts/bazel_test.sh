@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs the Bazel fast subset (every //:test_* not tagged "slow") on the project's venv python,
-# offline. Installs Debian's Bazel 4.2.3 through apt if `bazel` is missing (needs root or sudo).
+# Runs the Bazel fast subset (in every //:test_*, the tests not marked slow or multiprocess) on
+# the project's venv python, offline. Installs Debian's Bazel 4.2.3 through apt if `bazel` is
+# missing (needs root or sudo).
 # Arguments: target patterns (//:test_config) replace //...; anything else is passed to
-# `bazel test` (e.g. --test_tag_filters= to include the slow tests).
+# `bazel test` (e.g. --test_env=JAXSB_PYTEST_MARKERS= to include the slow and multiprocess tests).
 # Bazel's output base stays in ~/.cache/bazel; only the gitignored bazel-* symlinks appear here.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

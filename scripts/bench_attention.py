@@ -6,7 +6,7 @@ and 16K tokens, for one document and for a packed long-tail mix of documents:
   * jax.nn.dot_product_attention with the equivalent materialised [B,1,T,T] mask (skipped when
     its score/probability arrays would need more than ~8 GB);
   * block-sparse (kernels_pallas.block_sparse_attention "xla", 128-token blocks, lists from
-    jaxsb.router.route) at nominal densities 1/2, 1/4, 1/8, 1/16.
+    jaxsb.models.router.route) at nominal densities 1/2, 1/4, 1/8, 1/16.
 
 Density, honestly: the share of the causal block pairs that dense attention has to compute,
    density = selected block pairs / eligible block pairs,
@@ -39,7 +39,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from jaxsb.router import route  # noqa: E402
+from jaxsb.models.router import route  # noqa: E402
 from kernels_pallas import block_sparse_attention, flash_attention  # noqa: E402
 
 H, K, D = 4, 2, 64

@@ -35,8 +35,9 @@ import numpy as np  # noqa: E402
 from jaxsb import mesh as mesh_lib  # noqa: E402
 from jaxsb.config import load_config  # noqa: E402
 from jaxsb.data import Batch, DataIterator  # noqa: E402
-from jaxsb.trainer import (  # noqa: E402
-    BATCH_FIELDS, StepCompiler, build_model_fns, load_model_and_tokenizer, make_train_step)
+from jaxsb.training.state import build_model_fns, load_model_and_tokenizer  # noqa: E402
+from jaxsb.training.step import make_train_step  # noqa: E402
+from jaxsb.training.steps import BATCH_FIELDS, StepCompiler  # noqa: E402
 
 
 def unpack_pieces(batch: Batch) -> list[dict[str, np.ndarray]]:

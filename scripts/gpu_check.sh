@@ -11,7 +11,7 @@
 #      forward and forward+backward (best of a few runs, after one compile run), plus
 #      block-sparse attention (pallas vs xla) at densities 1/8 and 1/4 of the key blocks, plus
 #      the ring's chunk op (pallas vs xla; one local chunk holding one document = causal).
-# On TPU ("tpu"): the Mosaic kernels (tests/test_mosaic_attention.py, compiled and interpreted:
+# On TPU ("tpu"): the Mosaic kernels (tests/kernels/test_mosaic_attention.py, compiled and interpreted:
 # flash, block-sparse and the ring's chunk op, a sparse ring over the TPU's devices) instead of
 # the Triton suites, 512 x 512 blocks (the Mosaic default) and block-sparse blocks of 128.
 # Usage: scripts/gpu_check.sh [cuda|tpu] [T ...]      (default: cuda, T = 2048 4096 8192)
@@ -36,17 +36,17 @@ assert b != 'cpu', 'gpu_check.sh needs an accelerator backend'"
 
 if [ "$platform" = "tpu" ]; then
   echo "== Mosaic kernels, compiled and interpreted =="
-  "$python" -m pytest -q tests/test_mosaic_attention.py -rs
+  "$python" -m pytest -q tests/kernels/test_mosaic_attention.py -rs
   default_block_q=512 default_block_k=512 default_sparse=128
 else
   echo "== compiled kernels =="
-  "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-    tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py \
-    tests/test_ring_sparse_pallas.py -k "Compiled" -rs
+  "$python" -m pytest -q tests/kernels/test_flash_attention_pallas.py \
+    tests/kernels/test_block_sparse_attention_pallas.py tests/kernels/test_ring_chunk_pallas.py \
+    tests/kernels/test_ring_sparse_pallas.py -k "Compiled" -rs
   echo "== same suites, interpreted, on the device backend =="
-  "$python" -m pytest -q tests/test_flash_attention_pallas.py \
-    tests/test_block_sparse_attention_pallas.py tests/test_ring_chunk_pallas.py \
-    tests/test_ring_sparse_pallas.py -k "not Compiled"
+  "$python" -m pytest -q tests/kernels/test_flash_attention_pallas.py \
+    tests/kernels/test_block_sparse_attention_pallas.py tests/kernels/test_ring_chunk_pallas.py \
+    tests/kernels/test_ring_sparse_pallas.py -k "not Compiled"
   default_block_q=128 default_block_k=64 default_sparse=64
 fi
 
@@ -67,7 +67,7 @@ import numpy as np
 
 from kernels_pallas.block_sparse_attention import block_sparse_attention
 from kernels_pallas.flash_attention import flash_attention
-from kernels_pallas.flash_attention.chunk import attention_chunk
+from kernels_pallas.ring_chunk import attention_chunk
 
 H, K, D = (int(os.environ[n]) for n in ("HEADS", "KV_HEADS", "HEAD_DIM"))
 bq, bk, repeats = (int(os.environ[n]) for n in ("BLOCK_Q", "BLOCK_K", "REPEATS"))

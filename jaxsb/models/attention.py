@@ -45,12 +45,8 @@ def current_override() -> Callable | None:
 
 
 def _kernel():
-    try:
-        from kernels_pallas.flash_attention import flash_attention
-    except ImportError as e:  # pragma: no cover - depends on the checkout
-        raise ImportError(
-            "jaxsb.models.attention needs kernels_pallas.flash_attention.flash_attention "
-            f"(blocked attention kernel), which could not be imported: {e}") from e
+    from kernels_pallas.flash_attention import flash_attention
+
     return flash_attention
 
 
@@ -92,7 +88,7 @@ def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Arr
                   segment_ids_BxT: jax.Array, budgets_B: jax.Array, *, block_size: int):
     """Routed block-sparse attention: each query block attends to its `budgets_B[b]` best key
     blocks (diagonal always). Returns (out [B,T,H,D], mean selected blocks, mean coverage)."""
-    from jaxsb.router import route
+    from jaxsb.models.router import route
     from kernels_pallas import block_sparse_attention
 
     block_indices, block_counts, coverage = route(q_BxTxHxD, k_BxTxKxD, segment_ids_BxT, budgets_B,
@@ -100,3 +96,15 @@ def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Arr
     out = block_sparse_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, block_indices, block_counts,
                                  segment_ids_BxT, block_size=block_size)
     return out, jnp.mean(block_counts.astype(jnp.float32)), jnp.mean(coverage.per_row)
+
+
+def ring_implementation(model_cfg) -> str:
+    """The chunk-kernel implementation the executor's rings run for `model.attention` — the one
+    place that maps it: flash and sparse -> "auto" (Pallas on GPU/TPU, XLA elsewhere, as `attend`
+    and `sparse_attend`), xla -> "xla". The single-device oracles (reference, jax) have no ring
+    version: refused here, and at config time with a planner (jaxsb.config)."""
+    impl = {"flash": "auto", "sparse": "auto", "xla": "xla"}.get(model_cfg.attention)
+    if impl is None:
+        raise ValueError(f"model.attention={model_cfg.attention!r} has no ring (sequence-parallel) version; "
+                         "use xla, flash or sparse")
+    return impl

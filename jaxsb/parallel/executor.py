@@ -1,7 +1,7 @@
 """The executor: runs a Plan as one compiled SPMD program.
 
 For each micro-batch of the plan's template, the model runs under `jax.shard_map` with one
-token buffer per device (jaxsb/parallel/layout.py). Everything but attention is token-local,
+token buffer per device (jaxsb/plan/layout.py). Everything but attention is token-local,
 so the model code is unchanged; attention is replaced for the trace
 (`jaxsb.models.attention.attention_override`) by the device's share of its group's
 sequence-parallel attention:
@@ -9,7 +9,7 @@ sequence-parallel attention:
   * ring micro-batches (groups of any degrees side by side, degree-1 groups included) run on
     the 1-D mesh: `jaxsb.parallel.ring.ring_attention` with one `ppermute` per round whose
     permutation is the union of the groups' cycles; each round is one call of the chunk op
-    (kernels_pallas/flash_attention/chunk.py): its Pallas kernels on GPU with
+    (kernels_pallas/ring_chunk/): its Pallas kernels on GPU with
     `model.attention=flash`, its XLA version otherwise (`ring_sparse.ring_sparse_attention`
     for routed block-sparse attention: pooled key blocks go round first, then only the
     selected blocks of each visiting K/V shard are computed, by the chunk op's Pallas kernels
@@ -23,10 +23,11 @@ Parameters enter each micro-batch's shard_map replicated (`P()`), so XLA all-gat
 FSDP-sharded parameters at its start and the gradient of that broadcast is the sum over
 devices (shard_map's transpose); gradients are accumulated over micro-batches and, with the
 loss, divided by the global number of target tokens — the same loss and gradients whatever
-the plan. The optimiser update runs on the FSDP-sharded state outside the shard_maps.
+the plan. The optimiser update (jaxsb/training/step.py) runs on the FSDP-sharded state
+outside the shard_maps.
 
-Compiled programs are cached by the plan's template (`PlanCompiler`); the step's data are
-arrays, so a new step with a known template does not compile.
+Compiled programs are cached by the plan's template (`jaxsb.training.steps.PlanCompiler`); the
+step's data are arrays, so a new step with a known template does not compile.
 """
 
 from __future__ import annotations
@@ -36,46 +37,19 @@ from typing import Any, Callable, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsb.config import ModelConfig
 from jaxsb.mesh import AXIS
-from jaxsb.models.attention import attend, attention_override, sparse_attend
+from jaxsb.models.attention import attend, attention_override, ring_implementation, sparse_attend
 from jaxsb.models.loss import next_token_loss
 from jaxsb.models.stats import pop_layer_stats
-from jaxsb.parallel.layout import FIELDS, SeqData, layout_microbatch
-from jaxsb.planner.plan import MicroBatch, Plan, Template, executable_problem
-from jaxsb.programs import ProgramCache
+from jaxsb.plan.layout import FIELDS, SeqData, layout_microbatch
+from jaxsb.plan import MicroBatch, Plan, Template
+from jaxsb.plan.executable import alignment, check_executable
 
 SP_AXIS, GROUPS_AXIS = "sp", "groups"
-
-
-def check_executable(template: Template, model_cfg: ModelConfig) -> None:
-    """Raises ValueError when this executor cannot run the template with this model."""
-    problem = executable_problem(template)
-    if problem is None and model_cfg.attention == "sparse":
-        bs = model_cfg.sparse.block_size
-        ring = [m for m, mb in enumerate(template.microbatches)
-                if mb.scheme == "ring" and mb.shard_len % (2 * bs)]
-        uneven = [m for m, mb in enumerate(template.microbatches)
-                  if mb.scheme == "ulysses" and model_cfg.kv_heads % mb.groups[0].degree]
-        if ring:
-            problem = (f"micro-batches {ring}: block-sparse ring attention needs zigzag chunks of whole "
-                       f"{bs}-token blocks (shard_len a multiple of {2 * bs}); build the plan with "
-                       f"align={bs}")
-        elif uneven:
-            problem = (f"micro-batches {uneven}: sparse routing pools queries over all query heads of a kv "
-                       f"head, so ulysses degrees must divide kv_heads={model_cfg.kv_heads} (else kv heads "
-                       "are repeated and the routing would change with the plan)")
-    if problem is not None:
-        raise ValueError(f"plan {template.summary()!r} cannot be executed: {problem}")
-
-
-def alignment(model_cfg: ModelConfig) -> int:
-    """Sequences start on sparse-block boundaries for sparse attention (routing is per block)."""
-    return model_cfg.sparse.block_size if model_cfg.attention == "sparse" else 1
 
 
 def microbatch_mesh(mesh: Mesh, mb: MicroBatch) -> tuple[Mesh, Any]:
@@ -114,19 +88,16 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             from jaxsb.parallel.ring_sparse import ring_sparse_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
-            # "auto", as sparse_attend's block_sparse_attention: Pallas rounds on GPU, XLA elsewhere
             out, blocks, coverage = ring_sparse_attention(
                 qa, ka, va, sa, pos_BxT[:, :S], budgets_BxT[:, :S], axis_name=AXIS, groups=groups,
-                block_size=model_cfg.sparse.block_size, implementation="auto")
+                block_size=model_cfg.sparse.block_size, implementation=ring_implementation(model_cfg))
             stats.append((blocks, coverage, jnp.sum(sa > 0)))
         elif mb.scheme == "ring":
             from jaxsb.parallel.ring import ring_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
-            # model.attention=flash: the Pallas chunk kernels on GPU (XLA elsewhere), as `attend`
-            impl = "auto" if model_cfg.attention == "flash" else "xla"
             out = ring_attention(qa, ka, va, sa, pos_BxT[:, :S], axis_name=AXIS, groups=groups,
-                                 block=model_cfg.attention_block, implementation=impl)
+                                 block=model_cfg.attention_block, implementation=ring_implementation(model_cfg))
         elif mb.scheme == "ulysses":
             from jaxsb.parallel.ulysses import ulysses_attention
 
@@ -200,19 +171,6 @@ def plan_value_and_grad(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, temp
     return run
 
 
-def make_planned_train_step(graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, template: Template) -> Callable:
-    value_and_grad = plan_value_and_grad(graphdef, rest, model_cfg, mesh, template)
-
-    def train_step(state, mb_arrays, num_targets):
-        loss, grads, stats = value_and_grad(state["params"], mb_arrays, num_targets)
-        updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
-        params = optax.apply_updates(state["params"], updates)
-        new_state = dict(state, params=params, opt_state=opt_state, step=state["step"] + 1)
-        return new_state, {"loss": loss, "grad_norm": optax.tree.norm(grads), "targets": num_targets, **stats}
-
-    return train_step
-
-
 def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mesh: Mesh) -> list[dict]:
     """Host buffers of every micro-batch, placed on the devices ([N, T] split by rows). With
     several processes each builds the same host buffers and places only its own devices' rows."""
@@ -224,22 +182,6 @@ def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mes
         host = layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.top_k)
         out.append({f: global_array(host[f], sharding) for f in FIELDS})
     return out
-
-
-class PlanCompiler(ProgramCache):
-    """Compiles the planned train step ahead of time, once per plan template, and counts programs."""
-
-    def __init__(self, graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, state_shardings):
-        super().__init__()
-        self._args = (graphdef, rest, tx, model_cfg, mesh)
-        self._state_shardings = state_shardings
-
-    def get(self, template: Template, state, mb_arrays, num_targets) -> tuple[Any, bool]:
-        def make_jitted():
-            step = make_planned_train_step(*self._args, template)
-            return jax.jit(step, donate_argnums=(0,), out_shardings=(self._state_shardings, None))
-
-        return self.get_or_compile(template, make_jitted, state, mb_arrays, num_targets)
 
 
 def device_loads(plan: Plan, cost_fn: Callable[[Any, list[int], list], float]) -> np.ndarray:

@@ -5,12 +5,12 @@ partitioned by the static `groups = ((start, degree), ...)` into contiguous ring
 0..N-1 in order. Each device holds T tokens of its group's token stream, in any order: a query
 attends a key iff both are in the same group, seg_q == seg_k and pos_k <= pos_q. Nothing here
 depends on where a token sits, so the caller is free to balance work with a zigzag layout
-(`zigzag_layout`).
+(`jaxsb.plan.layout.zigzag_layout`).
 
 The ring algorithm is written once; the work of one round, attention of the device's query
 shard to the visiting key/value shard, is one call of the chunk op
-`kernels_pallas.flash_attention.chunk` (`chunk_forward` / `chunk_backward`, called through
-`forward_with_plan` / `backward_with_plan` with the implementation resolved once), whose
+`kernels_pallas.ring_chunk` (`chunk_forward` / `chunk_backward`, called through
+`forward_with_blocks` / `backward_with_blocks` with the implementation resolved once), whose
 `implementation` is "xla" (blocked jnp + lax loops, any backend) or "pallas" (Pallas kernels:
 Triton on GPU, Mosaic on TPU (resolved to "mosaic"), the interpreter on a CPU host);
 ring_attention's "auto" is Pallas on GPU and
@@ -40,7 +40,7 @@ in the other.
 
 Inside one round the chunk op blocks its inputs and classifies each (query block, key block)
 pair from per-block (segment id, position) ranges as SKIP / FULL / PARTIAL
-(kernels_pallas/flash_attention/chunk_tables.py): skipped pairs are never computed, FULL
+(kernels_pallas/ring_chunk/tables.py): skipped pairs are never computed, FULL
 pairs need no mask. Padding (id 0) is kept out of the ranges; a padding query only needs a
 finite output, so padding pairs count only in round 0 where the two blocks share tokens:
 padding costs O(T * block), not O(T^2). Ranges are conservative but tight for packed documents
@@ -67,34 +67,18 @@ import numpy as np
 from jax import lax
 
 from kernels_pallas.common import NEG, check_qkv
-from kernels_pallas.flash_attention import chunk_tables as tables
-from kernels_pallas.flash_attention.chunk import (backward_with_plan,
-                                                  check_interpreter_outside_vma,
-                                                  forward_with_plan, merge_chunks,
-                                                  resolve_chunk_implementation)
-from kernels_pallas.flash_attention.chunk_tables import (FULL, PARTIAL, SKIP, ChunkPlan,
-                                                         make_chunk_plan)
+from kernels_pallas.ring_chunk import tables
+from kernels_pallas.ring_chunk.ops import (backward_with_blocks, check_interpreter_outside_vma,
+                                           forward_with_blocks, merge_chunks,
+                                           resolve_chunk_implementation)
+from kernels_pallas.ring_chunk.tables import (FULL, PARTIAL, SKIP, ChunkBlocks,
+                                              make_chunk_blocks)
 
 __all__ = ["FULL", "PARTIAL", "SKIP", "RingConfig", "block_kinds", "check_groups",
-           "ring_attention", "ring_block_counts", "zigzag_layout"]
+           "ring_attention", "ring_block_counts"]
 
 
 # ----------------------------------------------------------------------------- layout
-
-
-def zigzag_layout(num_tokens: int, degree: int) -> np.ndarray:
-    """[degree, 2*c] int64 indices into a group's token stream, row r = rank r's tokens.
-
-    The stream is padded to P = a multiple of 2*degree and cut into 2*degree chunks of
-    c = P / (2*degree); rank r gets chunks r and 2*degree-1-r, so each rank holds one early
-    and one late chunk and causal work is balanced. Indices >= num_tokens are padding.
-    """
-    if num_tokens < 1 or degree < 1:
-        raise ValueError(f"{num_tokens=} and {degree=} must be positive")
-    c = -(-num_tokens // (2 * degree))
-    ranks = np.arange(degree)[:, None]
-    offsets = np.arange(c)[None, :]
-    return np.concatenate([ranks * c + offsets, (2 * degree - 1 - ranks) * c + offsets], axis=1)
 
 
 # ----------------------------------------------------------------------------- schedule
@@ -191,7 +175,7 @@ def _ids_tokens(x_nxBxb):
 
 def block_kinds(seg_q, pos_q, seg_k, pos_k, local: bool = True) -> jax.Array:
     """[nq, nk] int32 SKIP / FULL / PARTIAL for blocked [n, B, b] query and key ids/positions,
-    shared by the batch as the XLA chunk uses it (chunk_tables.shared_kinds).
+    shared by the batch as the XLA chunk uses it (tables.shared_kinds).
 
     SKIP needs every row to be empty, FULL every row to be full. Conservative for real tokens:
     SKIP implies no allowed entry with id > 0 (such a pair has equal ids inside both ranges and
@@ -264,12 +248,12 @@ def _ring_loop(cfg: RingConfig, step, ride, acc, carry):
 # ----------------------------------------------------------------------------- rounds
 
 
-def _plan(cfg: RingConfig, q, local: bool) -> ChunkPlan:
+def _chunk_blocks(cfg: RingConfig, q, local: bool) -> ChunkBlocks:
     """The chunk blocking of one round (q and the visiting k/v shard have T tokens each)."""
     T, D = q.shape[1], q.shape[3]
-    return make_chunk_plan(T, T, D, cfg.block, cfg.block, local,
-                           pallas=cfg.implementation != "xla", interpret=cfg.interpret,
-                           mosaic=cfg.implementation == "mosaic")
+    return make_chunk_blocks(T, T, D, cfg.block, cfg.block, local,
+                             pallas=cfg.implementation != "xla", interpret=cfg.interpret,
+                             mosaic=cfg.implementation == "mosaic")
 
 
 def _ride(k, v, seg, pos):
@@ -288,8 +272,8 @@ def _ring_forward(q, k, v, seg, pos, cfg: RingConfig):
     """(out in q's dtype, lse float32 [B,T,H]) of the whole ring."""
 
     def step(active, local, ride, _, state):
-        out_r, lse_r = forward_with_plan(cfg.implementation, _plan(cfg, q, local), q,
-                                         *_unride(ride, seg, pos), active)
+        out_r, lse_r = forward_with_blocks(cfg.implementation, _chunk_blocks(cfg, q, local), q,
+                                           *_unride(ride, seg, pos), active)
         return None, merge_chunks(*state, out_r, lse_r)
 
     state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
@@ -313,8 +297,9 @@ def _ring_bwd(cfg: RingConfig, res, do):
     delta = (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)  # rowsum(dO * O)
 
     def step(active, local, ride, dkv, dq):
-        dq_r, dk_r, dv_r = backward_with_plan(cfg.implementation, _plan(cfg, q, local), q,
-                                              *_unride(ride, seg, pos), do, lse, delta, active)
+        dq_r, dk_r, dv_r = backward_with_blocks(cfg.implementation, _chunk_blocks(cfg, q, local), q,
+                                                *_unride(ride, seg, pos), do, lse, delta,
+                                                active)
         return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
     dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos), _full(k, (B, T, 2 * K, D)),
@@ -348,8 +333,8 @@ def _check(q, k, v, seg, pos, axis_name, groups, block, implementation: str = "x
     groups = check_groups(groups, _axis_size(axis_name))
     if implementation == "xla":  # the Pallas chunk clamps to a power of two itself
         block = min(block, T)
-    make_chunk_plan(T, T, q.shape[3], block, block, True, pallas=implementation != "xla",
-                    interpret=interpret, mosaic=implementation == "mosaic")  # errors now
+    make_chunk_blocks(T, T, q.shape[3], block, block, True, pallas=implementation != "xla",
+                      interpret=interpret, mosaic=implementation == "mosaic")  # errors now
     return RingConfig(axis_name=axis_name, groups=groups, block=block,
                       implementation=implementation, interpret=interpret)
 
@@ -377,7 +362,7 @@ def ring_attention(
 
     `block`: query and key block length of each round's chunk (clamped to T; compiled Pallas
     needs a power of two >= 16 on GPU, a multiple of 128 on TPU). `implementation`: "xla" | "pallas" | "auto" (Pallas on GPU,
-    XLA elsewhere; see kernels_pallas.flash_attention.chunk); `interpret` (Pallas only): None =
+    XLA elsewhere; see kernels_pallas.ring_chunk); `interpret` (Pallas only): None =
     the Pallas interpreter iff the backend is CPU. The interpreter needs
     shard_map(check_vma=False) (module doc).
     Note (JAX semantics, not this function): under shard_map(check_vma=False), jax.grad taken

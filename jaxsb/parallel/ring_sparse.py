@@ -1,7 +1,7 @@
 """Block-sparse (MoBA-routed) attention under ring sequence parallelism.
 
 `ring_sparse_attention` runs inside `jax.shard_map` over a 1-D axis, with the groups of
-`jaxsb.parallel.ring` and the zigzag layout of `jaxsb.parallel.layout`: a group's stream (its
+`jaxsb.parallel.ring` and the zigzag layout of `jaxsb.plan.layout`: a group's stream (its
 documents, each padded to a multiple of `block_size` with segment id 0) padded to 2·d·c
 tokens is cut into 2·d chunks of c tokens, rank r holding chunks r and 2d−1−r (T = 2c tokens
 per device, c a multiple of `block_size`). Every block of `block_size` tokens on a device is
@@ -34,7 +34,7 @@ laid out in one row (each document starting on a block boundary):
    log-sum-exp; dq accumulates locally, the visiting shard's dk|dv accumulator is
    scatter-added (duplicate block choices add up) and travels back to its owner.
    That is implementation="xla" (this module's code, any backend). With "pallas" each round
-   is instead one call of the ring's chunk op (kernels_pallas/flash_attention/chunk.py) on its
+   is instead one call of the ring's chunk op (kernels_pallas/ring_chunk/) on its
    Pallas kernels, blocks = the routing blocks, with the round's block selection
    `select[b, k, n, j]` = "query block n chose local block j of the visiting shard": the
    kernels turn every unselected pair into SKIP per kv head and never load those blocks;
@@ -68,9 +68,9 @@ from jax import lax
 
 from jaxsb.parallel.ring import RingConfig, _check as _ring_check, _full, _ring_loop
 from kernels_pallas.common import HI, NEG
-from kernels_pallas.flash_attention.chunk import (backward_with_plan, forward_with_plan,
-                                                  merge_chunks)
-from kernels_pallas.flash_attention.chunk_tables import make_chunk_plan
+from kernels_pallas.ring_chunk.ops import (backward_with_blocks, forward_with_blocks,
+                                           merge_chunks)
+from kernels_pallas.ring_chunk.tables import make_chunk_blocks
 
 _NO_OWNER = -1  # sorted slots past a query block's count
 
@@ -336,8 +336,8 @@ def _round(cfg: RingConfig, q, local: bool, active, ride, s_owner, s_local):
     kv, sp, origin = ride
     K = kv.shape[2] // 2
     T, D = q.shape[1], q.shape[3]
-    plan = make_chunk_plan(T, T, D, cfg.block, cfg.block, local, pallas=True,
-                           interpret=cfg.interpret, mosaic=cfg.implementation == "mosaic")
+    plan = make_chunk_blocks(T, T, D, cfg.block, cfg.block, local, pallas=True,
+                             interpret=cfg.interpret, mosaic=cfg.implementation == "mosaic")
     sel = _selection(s_owner, s_local, origin[0], active, T // cfg.block)
     return plan, (kv[:, :, :K], kv[:, :, K:], sp[..., 0], sp[..., 1]), sel
 
@@ -349,8 +349,8 @@ def _forward_pallas(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
     def step(active, local, ride, _, state):
         plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
                                                       s_local)
-        out_r, lse_r = forward_with_plan(cfg.implementation, plan, q, k_r, v_r, seg, pos,
-                                         seg_r, pos_r, active, sel)
+        out_r, lse_r = forward_with_blocks(cfg.implementation, plan, q, k_r, v_r, seg, pos,
+                                           seg_r, pos_r, active, sel)
         return None, merge_chunks(*state, out_r, lse_r)
 
     state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
@@ -367,8 +367,9 @@ def _backward_pallas(cfg: RingConfig, res, do):
     def step(active, local, ride, dkv, dq):
         plan, (k_r, v_r, seg_r, pos_r), sel = _round(cfg, q, local, active, ride, s_owner,
                                                       s_local)
-        dq_r, dk_r, dv_r = backward_with_plan(cfg.implementation, plan, q, k_r, v_r, seg, pos,
-                                              seg_r, pos_r, do, lse, delta, active, sel)
+        dq_r, dk_r, dv_r = backward_with_blocks(cfg.implementation, plan, q, k_r, v_r, seg,
+                                                pos, seg_r, pos_r, do, lse, delta, active,
+                                                sel)
         return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
     dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), _full(k, (B, T, 2 * K, D)),

@@ -258,9 +258,6 @@ class FormulaCost:
     def plan_memory_mb(self, plan) -> float:
         return plan_memory_mb(self, plan)
 
-    def describe(self) -> dict:
-        return dataclasses.asdict(self)
-
 
 # --------------------------------------------------------------------------------- FlexSP
 
@@ -310,10 +307,6 @@ class FlexSPCost(FormulaCost):
                    act_per_token_mb=p["act_per_token_mb"], ulysses_ms_per_token=ulysses,
                    ring_ms_per_token=ring, block=block, model=model, num_devices=num_devices,
                    max_len=max_len, params_b=params_b)
-
-    def alltoall_ms(self, lengths: Sequence[int], degree: int) -> float:
-        """FlexSP's all-to-all time of a group holding `lengths` (its solver's alltoall_time)."""
-        return self.comm_ms(degree, sum(lengths), "ulysses")
 
 
 # ----------------------------------------------------------------------------- calibrated
@@ -477,7 +470,7 @@ PRESET_NAMES = tuple(f"flexsp-a100:{m}" for m in FLEXSP_A100_MODELS) + (
 def load_preset(name: str, **options: Any) -> CostModel:
     """A cost model by name: "flexsp-a100:gpt-7b|gpt-13b|gpt-30b" (options: num_devices,
     max_len, memory_limit_gb, params_key, bandwidth_gbs, block), "skrull-h100:<model>"
-    (jaxsb.planner.skrull.SkrullCost), or a calibrated JSON file ("calibrated:PATH" or a path
+    (jaxsb.planner.skrull_cost.SkrullCost), or a calibrated JSON file ("calibrated:PATH" or a path
     ending in .json)."""
     if name.startswith("calibrated:") or name.endswith(".json"):
         path = name.split(":", 1)[1] if name.startswith("calibrated:") else name
@@ -490,12 +483,8 @@ def load_preset(name: str, **options: Any) -> CostModel:
             raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")
         return FlexSPCost.preset(model, **options)
     if family == "skrull-h100":
-        try:
-            from jaxsb.planner.skrull import SkrullCost
-        except ImportError as e:
-            raise ValueError(f"preset {name!r} needs jaxsb.planner.skrull.SkrullCost: {e}") from e
-        if hasattr(SkrullCost, "from_preset"):
-            return SkrullCost.from_preset(name, **options)
-        return SkrullCost(model, **options)
+        from jaxsb.planner.skrull_cost import SkrullCost
+
+        return SkrullCost.from_preset(name, **options)
     raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}, "
                      "calibrated:PATH or a .json file")

@@ -21,7 +21,7 @@ flexsp, galvatron/flexsp_solver/); this is our own code, with python-mip (CBC) f
 
 A solve that hits `time_limit_s` keeps the best solution CBC has; one that ends without any
 solution falls back to the seed (or, if no micro-batch count works, to the batch-adaptive
-plan) and says so in `last_info`. `lower_bound_ms` is the sum of CBC's bounds (the LP
+plan) and says so in its SolveInfo. `lower_bound_ms` is the sum of CBC's bounds (the LP
 relaxation, tightened by branching) for the chosen split and bucketing.
 
 The cost model is used through the CostModel protocol only: `LinearCost` reads per-sequence
@@ -33,119 +33,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import time
 from typing import Sequence
 
 import numpy as np
 
-from jaxsb.planner.plan import GroupSpec, Plan, PlanError, build_plan
-
-_EPS_MB = 1e-6  # memory slack kept below the limit against float round-off
-
-
-def pow2_degrees(num_devices: int, smallest: int = 1) -> tuple[int, ...]:
-    """Powers of two from `smallest` up to num_devices."""
-    out, d = [], 1
-    while d <= num_devices:
-        if d >= smallest:
-            out.append(d)
-        d *= 2
-    return tuple(out)
-
-
-# --------------------------------------------------------------------- linearised cost model
-
-
-class LinearCost:
-    """A CostModel seen as additive per sequence, for one device count and scheme.
-
-    group time(d, seqs) = base_time[d] + sum_i time(s_i, d), group memory(d, seqs) =
-    base_mem[d] + sum_i mem(s_i, d), read off the cost model with small groups. Exact for
-    FlexSP's and any additive model. For others (Skrull's piecewise-linear collectives, say) a
-    sequence's time is its marginal cost next to a background sequence B_d of half what a group
-    of degree d holds — the slope at realistic group sizes — and its memory its cost alone
-    (conservative when memory rounds up per group); the final `plan_time_ms` is exact."""
-
-    REF = 128
-
-    def __init__(self, cost, num_devices: int, scheme: str = "ulysses", degrees: Sequence[int] | None = None):
-        self.cost = cost
-        self.num_devices = int(num_devices)
-        self.scheme = scheme
-        self.degrees = tuple(degrees) if degrees else pow2_degrees(num_devices)
-        self.limit = float(cost.memory_limit_mb) - _EPS_MB
-        r = self.REF
-        self.base_mem = np.array([2 * self._gm(d, [r]) - self._gm(d, [r, r]) for d in self.degrees])
-        self.background = []
-        for j, d in enumerate(self.degrees):
-            per_token = (self._gm(d, [r]) - self.base_mem[j]) / r
-            room = (self.limit - self.base_mem[j]) / per_token if per_token > 0 else 4096.0 * d
-            self.background.append(int(max(r, room / 2) // r * r))
-        bg = [self._gt(d, [b]) for d, b in zip(self.degrees, self.background)]
-        self._bg_time = np.array(bg)
-        self.base_time = np.array([2 * t - self._gt(d, [b, b]) for d, b, t in zip(self.degrees, self.background, bg)])
-        self._cache: dict = {}
-
-    def scheme_of(self, d: int) -> str:
-        return "local" if d == 1 else self.scheme
-
-    def _gt(self, d, lengths, budgets=None):
-        return float(self.cost.group_time_ms(d, list(lengths), scheme=self.scheme_of(d), budgets=budgets))
-
-    def _gm(self, d, lengths):
-        return float(self.cost.group_memory_mb(d, list(lengths)))
-
-    def _marginal(self, d, bg, length, budget):
-        """Time `length` adds to a group of degree d holding the background sequence bg."""
-        if budget is None:
-            return self._gt(d, [bg, length]) - self._bg_time[self.degrees.index(d)]
-        k = int(budget)  # the background with the same budget: its part cancels for additive models
-        return self._gt(d, [bg, length], [k, k]) - self._gt(d, [bg], [k])
-
-    def row(self, length: int, budget=None) -> tuple[np.ndarray, np.ndarray]:
-        """(time, memory) of one sequence at each degree."""
-        key = (int(length), None if budget is None else int(budget))
-        hit = self._cache.get(key)
-        if hit is None:
-            t = np.array([self._marginal(d, bg, length, budget) for d, bg in zip(self.degrees, self.background)])
-            m = np.array([self._gm(d, [length]) for d in self.degrees]) - self.base_mem
-            if len(self._cache) > 200_000:
-                self._cache.clear()
-            hit = self._cache[key] = (t, m)
-        return hit
-
-    def tables(self, lengths: Sequence[int], budgets=None) -> tuple[np.ndarray, np.ndarray]:
-        """[n, degrees] per-sequence time and memory."""
-        n = len(lengths)
-        t = np.empty((n, len(self.degrees)))
-        m = np.empty((n, len(self.degrees)))
-        for i, s in enumerate(lengths):
-            t[i], m[i] = self.row(s, None if budgets is None else budgets[i])
-        return t, m
-
-    def fits(self, mem: np.ndarray) -> np.ndarray:
-        """[n, degrees] bool: the sequence alone fits a group of that degree."""
-        return self.base_mem[None, :] + mem <= self.limit
-
-    def token_capacity(self, j: int) -> float:
-        """Tokens a group of degree index j holds (memory), from the reference sequence."""
-        per_token = self.row(self.REF)[1][j] / self.REF
-        return (self.limit - self.base_mem[j]) / per_token if per_token > 0 else math.inf
-
-    def check_fits(self, lengths: Sequence[int], fits: np.ndarray) -> None:
-        """PlanError naming the first sequence that fits no group, even one of all devices."""
-        bad = np.flatnonzero(~fits.any(axis=1))
-        if len(bad):
-            i = int(bad[0])
-            j = len(self.degrees) - 1
-            d = self.degrees[j]
-            raise PlanError(
-                f"sequence {i} of length {lengths[i]} does not fit in memory even sharded over {d} devices "
-                f"(the largest group of {self.num_devices}): capacity {int(self.token_capacity(j))} tokens "
-                f"per sequence at degree {d} (memory limit {self.cost.memory_limit_mb:.0f} MB per device, "
-                f"{self._gm(d, [lengths[i]]):.0f} MB needed)"
-                + (f"; {len(bad) - 1} more sequences too long" if len(bad) > 1 else ""))
-
+from jaxsb.plan import Plan, PlanError, Runnable
+from jaxsb.planner.base import PlannerBase, check_degrees, check_options, check_scheme, pow2_degrees, resolve_align
+from jaxsb.planner.joint import JaxsbPlanner
+from jaxsb.planner.linear import LinearCost, finish_plan, linear_span, simple_lower_bound, specs_from_groups
+from jaxsb.planner.static import BatchAdaptivePlanner
 
 # ------------------------------------------------------------------ bucketing and chunking
 
@@ -392,52 +288,10 @@ def solve_microbatch_milp(ids: Sequence[int], padded: Sequence[int], real_t: np.
     return MilpResult(groups, bound, status.name, seed_used, objective)
 
 
-# ------------------------------------------------------------------------ plan building
-
-
-def specs_from_groups(groups, lin: LinearCost, scheme: str) -> list[GroupSpec]:
-    """Groups [(degree index, ids)] -> GroupSpecs, largest degree first (power-of-2 groups then
-    start at multiples of their size), ids in input order."""
-    groups = sorted(groups, key=lambda g: (-lin.degrees[g[0]], min(g[1])))
-    return [GroupSpec(lin.degrees[j], "local" if lin.degrees[j] == 1 else scheme, tuple(sorted(ids)))
-            for j, ids in groups]
-
-
-def linear_span(groups, T: np.ndarray, lin: LinearCost) -> float:
-    return max((lin.base_time[j] + T[ids, j].sum() for j, ids in groups if ids), default=0.0)
-
-
-def finish_plan(cost, num_devices, mbs_specs, lengths, budgets, align, name) -> Plan:
-    plan = build_plan(num_devices, mbs_specs, lengths, budgets=budgets, align=align, planner=name)
-    return dataclasses.replace(plan, predicted_ms=float(cost.plan_time_ms(plan)))
-
-
-def simple_lower_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost, lengths,
-                       parts: bool = False):
-    """A valid lower bound on any plan's time (under the additive model): with M micro-batches,
-    each costs at least the smallest per-group overhead, and all of them together at least the
-    least device-time of every sequence spread over N devices, or the longest sequence's least
-    time; M is at least what memory allows."""
-    n_dev = lin.num_devices
-    if len(T) == 0:
-        return 0.0
-    deg = np.asarray(lin.degrees, dtype=np.float64)
-    big = np.where(fits, T, np.inf)
-    work = np.where(fits, T * deg[None, :], np.inf).min(axis=1).sum()
-    longest = big.min(axis=1).max()
-    mem_units = np.where(fits, Mm * deg[None, :], np.inf).min(axis=1).sum()
-    per_mb = float((lin.limit - lin.base_mem.min()) * n_dev)  # memory units one micro-batch holds
-    m_min = max(1, int(math.ceil(mem_units / per_mb - 1e-9))) if per_mb > 0 else 1
-    overhead = float(lin.base_time.min())
-    if parts:  # (fewest micro-batches, time beyond the per-micro-batch overheads)
-        return m_min, float(max(work / n_dev, longest))
-    return float(m_min * overhead + max(work / n_dev, longest))
-
-
 # ---------------------------------------------------------------------------- the planner
 
 
-class FlexSPPlanner:
+class FlexSPPlanner(PlannerBase):
     """FlexSP's MILP planner (see the module docstring).
 
     Options: `time_limit_s` per MILP solve (default 2 s); `scheme` "ulysses" (FlexSP's
@@ -445,18 +299,18 @@ class FlexSPPlanner:
     for groups of different sizes); `buckets` (16, FlexSP's default); `mb_options` (5 micro-
     batch counts tried); `degrees` (allowed group degrees; default 2, 4, ... N as the authors'
     solver, which leaves out degree 1 — `degrees=(1, 2, 4, ...)` allows it); `warm_start` (seed CBC
-    with the best homogeneous assignment, default True); `align` (buffer alignment for
-    build_plan)."""
+    with the best homogeneous assignment, default True); `runnable` (what the executor runs:
+    its alignment; ulysses groups it cannot run become ring groups) or `align` (buffer alignment
+    for build_plan, for the simulator)."""
 
     name = "flexsp"
 
     def __init__(self, cost, num_devices: int, *, time_limit_s: float = 2.0, scheme: str = "ulysses",
                  buckets: int = 16, mb_options: int = 5, degrees: Sequence[int] | None = None,
-                 warm_start: bool = True, align: int = 1, **options):
-        if scheme not in ("ulysses", "ring"):
-            raise ValueError(f"flexsp: scheme must be 'ulysses' or 'ring', got {scheme!r}")
-        if options:
-            raise TypeError(f"flexsp: unknown options {sorted(options)}")
+                 warm_start: bool = True, align: int = 1, runnable: Runnable | None = None, **options):
+        check_scheme(self.name, scheme)
+        check_options(self.name, options)
+        self.runnable = runnable
         self.cost = cost
         self.num_devices = int(num_devices)
         self.time_limit_s = float(time_limit_s)
@@ -464,19 +318,13 @@ class FlexSPPlanner:
         self.buckets = int(buckets)
         self.mb_options = max(1, int(mb_options))
         self.warm_start = bool(warm_start)
-        self.align = int(align)
-        if degrees:
-            degs = tuple(sorted(set(int(d) for d in degrees)))
-        else:  # the authors' solver: power-of-2 degrees from 2 (1 only on a single device)
-            degs = pow2_degrees(self.num_devices, smallest=2) or (1,)
-        if any(d < 1 or d > self.num_devices for d in degs):
-            raise ValueError(f"flexsp: degrees {degs} must lie in 1..{self.num_devices}")
+        self.align = resolve_align(runnable, align)
+        # the authors' solver: power-of-2 degrees from 2 (1 only on a single device)
+        degs = degrees or pow2_degrees(self.num_devices, smallest=2) or (1,)
+        degs = check_degrees(self.name, degs, self.num_devices)
         self.lin = LinearCost(cost, self.num_devices, scheme, degs)
-        self.last_info: dict = {}
 
-    def plan(self, lengths: Sequence[int], budgets=None) -> Plan:
-        t0 = time.perf_counter()
-        lengths = [int(s) for s in lengths]
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         lin = self.lin
         n = len(lengths)
         if n == 0:
@@ -526,7 +374,8 @@ class FlexSPPlanner:
         else:
             total, mb, mb_groups, bounds, seeded = best
             specs = [specs_from_groups(g, lin, self.scheme) for g in mb_groups]
-            plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name)
+            plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name,
+                               self.runnable)
             fell = seeded > 0
             msg = (f"flexsp: {mb} micro-batches (tried {tried})"
                    + (f"; {seeded} micro-batch MILP(s) found no solution within {self.time_limit_s:g} s and fell "
@@ -534,15 +383,13 @@ class FlexSPPlanner:
             info.update(fell_back=fell, message=msg, microbatches=mb,
                         lower_bound_ms=float(np.nansum(bounds)) if bounds else float("nan"),
                         lower_bound_scope="MILP bound for the chosen micro-batch split and bucketed lengths")
-        info["solve_seconds"] = time.perf_counter() - t0
         info["predicted_ms"] = plan.predicted_ms
-        self.last_info = info
-        return plan
+        return plan, info
 
     def _fallback(self, lengths, budgets) -> Plan:
         try:
-            from jaxsb.planner.static import BatchAdaptivePlanner
-            return BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme).plan(lengths, budgets)
-        except (ImportError, PlanError, TypeError):
-            from jaxsb.planner.joint import JaxsbPlanner
-            return JaxsbPlanner(self.cost, self.num_devices, scheme=self.scheme, align=self.align).plan(lengths, budgets)
+            return BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme, align=self.align,
+                                        runnable=self.runnable).plan(lengths, budgets)
+        except ValueError:  # PlanError included: no single degree fits
+            return JaxsbPlanner(self.cost, self.num_devices, scheme=self.scheme, align=self.align,
+                                runnable=self.runnable).plan(lengths, budgets)

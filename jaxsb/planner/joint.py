@@ -52,8 +52,10 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsb.planner.flexsp import (LinearCost, finish_plan, pow2_degrees, simple_lower_bound, specs_from_groups)
-from jaxsb.planner.plan import GroupSpec, Plan, PlanError
+from jaxsb.planner.base import PlannerBase, check_degrees, check_options, check_scheme, pow2_degrees, resolve_align
+from jaxsb.planner.linear import LinearCost, finish_plan, simple_lower_bound, specs_from_groups
+from jaxsb.planner.static import BatchAdaptivePlanner
+from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable
 
 
 class _Packing:
@@ -83,26 +85,27 @@ class _Packing:
         return [g for g in out if g]
 
 
-class JaxsbPlanner:
+class JaxsbPlanner(PlannerBase):
     """jaxsb's joint planner (see the module docstring).
 
     Options: `time_limit_s` (a safety net only, default 5 s: the search has fixed, deterministic
     budgets, ~0.1-0.3 s for 512 sequences on 64 devices on 2 cores; past the limit it stops
-    improving and says so in `last_info`), `scheme` "ulysses" | "ring", `mb_options`
+    improving and says so in its SolveInfo), `scheme` "ulysses" | "ring", `mb_options`
     (micro-batch counts tried, 4), `degrees` (allowed group degrees, powers of two up to N by
     default), `search_steps` (bisection steps per target, 14), `moves` (local-search move
-    budget, 4000), `portfolio` (also consider the batch-adaptive plan, True), `align` (buffer
-    alignment for build_plan)."""
+    budget, 4000), `portfolio` (also consider the batch-adaptive plan, True), `runnable` (what
+    the executor runs: its alignment; ulysses groups it cannot run become ring groups) or `align` (buffer
+    alignment for build_plan, for the simulator)."""
 
     name = "jaxsb"
 
     def __init__(self, cost, num_devices: int, *, time_limit_s: float = 5.0, scheme: str = "ulysses",
                  mb_options: int = 4, degrees: Sequence[int] | None = None, search_steps: int = 14,
-                 moves: int = 4000, portfolio: bool = True, align: int = 1, **options):
-        if scheme not in ("ulysses", "ring"):
-            raise ValueError(f"jaxsb: scheme must be 'ulysses' or 'ring', got {scheme!r}")
-        if options:
-            raise TypeError(f"jaxsb: unknown options {sorted(options)}")
+                 moves: int = 4000, portfolio: bool = True, align: int = 1, runnable: Runnable | None = None,
+                 **options):
+        check_scheme(self.name, scheme)
+        check_options(self.name, options)
+        self.runnable = runnable
         self.cost = cost
         self.num_devices = int(num_devices)
         self.time_limit_s = float(time_limit_s)
@@ -110,19 +113,13 @@ class JaxsbPlanner:
         self.mb_options = max(1, int(mb_options))
         self.search_steps = int(search_steps)
         self.moves = int(moves)
-        self.align = int(align)
+        self.align = resolve_align(runnable, align)
         self.portfolio = bool(portfolio)
-        degs = tuple(sorted(set(int(d) for d in degrees))) if degrees else pow2_degrees(self.num_devices)
-        if any(d < 1 or d > self.num_devices for d in degs):
-            raise ValueError(f"jaxsb: degrees {degs} must lie in 1..{self.num_devices}")
-        self.lin = LinearCost(cost, self.num_devices, scheme, degs)
-        self.last_info: dict = {}
+        degs = degrees or pow2_degrees(self.num_devices)
+        self.lin = LinearCost(cost, self.num_devices, scheme, check_degrees(self.name, degs, self.num_devices))
 
-    # ------------------------------------------------------------------------------ public
-    def plan(self, lengths: Sequence[int], budgets=None) -> Plan:
-        t0 = time.perf_counter()
-        deadline = t0 + self.time_limit_s
-        lengths = [int(s) for s in lengths]
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
+        deadline = time.perf_counter() + self.time_limit_s
         n = len(lengths)
         if n == 0:
             raise PlanError("jaxsb: empty batch")
@@ -168,24 +165,22 @@ class JaxsbPlanner:
         moves_done, stopped_ls = ctx.local_search(best, self.moves, deadline)
         stopped = stopped or stopped_ls
         specs = [self._specs(g, lengths, budgets) for g in best.as_groups()]
-        plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name)
-        self.last_info = dict(
-            solve_seconds=time.perf_counter() - t0, fell_back=False,
+        plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name,
+                               self.runnable)
+        return plan, dict(
             message=(f"jaxsb: {len(specs)} micro-batches (tried {tried}); local search {moves_done} moves, "
                      f"{before:.1f} -> {best.total():.1f} ms (additive model)"
                      + ("; time limit reached, search cut short" if stopped else "")),
             lower_bound_ms=float(lower), microbatches=len(specs), predicted_ms=plan.predicted_ms,
             time_limit_hit=stopped)
-        return plan
 
     def _baseline(self, ctx: "_Context", lengths, budgets) -> _Packing | None:
         """The batch-adaptive plan (best single degree, static.py) as a packing: a candidate, so
         jaxsb is never worse than it; None if it is unavailable or uses other degrees."""
         try:
-            from jaxsb.planner.static import BatchAdaptivePlanner
-            plan = BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme,
-                                        degrees=self.lin.degrees).plan(lengths, budgets)
-        except (ImportError, PlanError, TypeError, ValueError):
+            plan = BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme, degrees=self.lin.degrees,
+                                        align=self.align, runnable=self.runnable).plan(lengths, budgets)
+        except ValueError:  # PlanError included: no single degree fits
             return None
         index = {d: j for j, d in enumerate(self.lin.degrees)}
         groups = []
@@ -209,7 +204,8 @@ class JaxsbPlanner:
         specs = specs_from_groups(groups, self.lin, self.scheme)
         degs = {s.degree for s in specs}
         d = max(degs)
-        if self.scheme == "ring" and len(degs) == 1 and d > 1 and d * len(specs) == self.num_devices:
+        runs_ulysses = self.runnable is None or self.runnable.ulysses_degree_ok(d)
+        if self.scheme == "ring" and len(degs) == 1 and d > 1 and d * len(specs) == self.num_devices and runs_ulysses:
             # equal groups over all devices: the executor can run ulysses; take it if faster
             def slowest(scheme):
                 return max(self.cost.group_time_ms(d, [lengths[i] for i in s.sharded], scheme=scheme,

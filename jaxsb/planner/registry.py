@@ -1,5 +1,8 @@
-"""Planners by name. Modules are imported only when their planner is asked for, so a planner
-whose module is missing or broken fails with a message naming it, and the others still work."""
+"""Planners by name, and the one mapping from run settings to a planner's options.
+
+`planner_options` is used by both the trainer (`parallel.*` config) and the simulator (its
+flags), so a setting means the same to every planner wherever it is given. A planner's module
+is imported when it is asked for (python-mip only for flexsp)."""
 
 from __future__ import annotations
 
@@ -23,12 +26,35 @@ def planner_class(name: str):
     module, cls = PLANNERS[name]
     try:
         mod = importlib.import_module(module)
-    except ImportError as e:
+    except ImportError as e:  # a registered name whose module is gone: say which
         raise ValueError(f"planner {name!r} needs module {module}, which cannot be imported: {e}") from e
     try:
         return getattr(mod, cls)
     except AttributeError:
         raise ValueError(f"planner {name!r}: module {module} has no class {cls}") from None
+
+
+def planner_options(name: str, num_devices: int, *, time_limit_s: float | None = None, scheme: str | None = None,
+                    degree: int | None = None, dp: int | None = None, cp: int | None = None,
+                    runnable=None) -> dict:
+    """Constructor options of planner `name` from run settings (None / 0: the planner's default).
+
+    `degree`: the static planner's single SP degree; `dp` x `cp`: Skrull's mesh (cp alone: dp
+    = num_devices // cp); `runnable`: what the executor runs (jaxsb.plan.Runnable), for training."""
+    planner_class(name)  # unknown names fail here, naming the known ones
+    opts: dict = {}
+    if time_limit_s is not None:
+        opts["time_limit_s"] = float(time_limit_s)
+    if scheme is not None:
+        opts["scheme"] = scheme
+    if runnable is not None:
+        opts["runnable"] = runnable
+    if name == "static" and degree:
+        opts["degree"] = int(degree)
+    if name == "skrull" and (dp or cp):
+        cp = int(cp or num_devices // dp)
+        opts.update(dp=int(dp or num_devices // cp), cp=cp)
+    return opts
 
 
 def make_planner(name: str, cost: CostModel, num_devices: int, **options):

@@ -1,4 +1,4 @@
-"""Skrull-style scheduling (Xu et al., NeurIPS'25, arXiv 2505.19609): its cost model and planner.
+"""Skrull-style scheduling (Xu et al., NeurIPS'25, arXiv 2505.19609): its planner.
 
 Skrull trains long-SFT data (a few very long sequences among many short ones) with data
 parallelism (DP) x context parallelism (CP) and schedules every global batch in two levels:
@@ -12,8 +12,8 @@ parallelism (DP) x context parallelism (CP) and schedules every global batch in 
   *local*, whole on one rank (no communication, no per-rank fragment overhead). The choice is a
   greedy with roll-back under a per-rank token capacity C ("BucketSize" in the paper).
 
-`SkrullCost` is the paper's performance model made concrete (all constants not published by
-the paper are assumptions, stated in its docstring); `SkrullPlanner` implements GDS + DACP and,
+`SkrullCost` (jaxsb/planner/skrull_cost.py) is the paper's performance model made concrete;
+`SkrullPlanner` implements GDS + DACP and,
 with `all_sharded=True`, the DeepSpeed-style static baseline of the same DP x CP setting.
 `long_sft_lengths` / `bimodal_lengths` generate the length mixes the measurements use.
 
@@ -23,289 +23,21 @@ h model width, h_kv the width of K (= kv_heads * head_dim), L layers, d (= cp) a
 
 from __future__ import annotations
 
-import functools
 import math
 import time
 from typing import Sequence
 
 import numpy as np
 
-from jaxsb.planner.plan import GroupSpec, Plan, PlanError, SHARDED, build_plan
-
-# ------------------------------------------------------------------------------ published facts
-
-# Skrull's H100-80GB profile (arXiv 2505.19609, Table 5 / Appendix C), as copied into
-# ../shared/data/cost_presets.json ("skrull_h100_80g"): collective latencies in microseconds for
-# message sizes in MiB, and the per-rank token capacity of each model. Kept here so the module
-# works without that file.
-SKRULL_H100_PROFILE = {
-    "collective_latency_us_by_mb": {
-        "sizes_mb": (2, 64, 1024),
-        "all_gather": (53, 489, 6468),
-        "all_to_all": (81, 502, 6630),
-        "reduce_scatter": (59, 459, 6294),
-        "all_reduce": (85, 860, 12126),
-    },
-    "token_capacity_per_rank": {"qwen2.5-0.5b": 26000, "qwen2.5-7b": 13000},
-}
-
-# Model cards (hidden width, layers, attention heads, kv heads), same file "model_architectures".
-ARCHITECTURES = {
-    "qwen2.5-0.5b": {"hidden": 896, "layers": 24, "heads": 14, "kv_heads": 2},
-    "qwen2.5-3b": {"hidden": 2048, "layers": 36, "heads": 16, "kv_heads": 2},
-    "qwen2.5-7b": {"hidden": 3584, "layers": 28, "heads": 28, "kv_heads": 4},
-    "llama2-7b": {"hidden": 4096, "layers": 32, "heads": 32, "kv_heads": 32},
-    "smollm2-135m": {"hidden": 576, "layers": 30, "heads": 9, "kv_heads": 3},
-}
-
-PRESET_PREFIX = "skrull-h100:"
-SKRULL_PRESETS = tuple(PRESET_PREFIX + m for m in SKRULL_H100_PROFILE["token_capacity_per_rank"])
-
-# ----------------------------------------------------------------------------- assumptions
-
-H100_BF16_DENSE_TFLOPS = 989.0  # NVIDIA's H100 SXM dense bf16 peak (no sparsity)
-DEFAULT_MFU = 0.40  # assumed fraction of peak reached by the model's matmuls and attention
-DEFAULT_BETA_US_PER_LAYER = 5.0  # assumed fixed forward cost per sequence (piece) per layer
-FWD_BWD = 3.0  # backward = 2 x forward
-H100_MEMORY_MB = 80 * 1024.0  # nominal H100-80GB
-BYTES_PER_ELEMENT = 2  # bf16 activations on the wire
-
-
-def _interp_latency_us(sizes_mb: Sequence[float], latency_us: Sequence[float], mb: float) -> float:
-    """Piecewise-linear in the message size; below the smallest profiled size the latency is
-    that size's (a floor: small messages are latency-bound), above the largest it continues the
-    last segment's slope (bandwidth-bound). 0 bytes cost nothing."""
-    if mb <= 0:
-        return 0.0
-    if mb <= sizes_mb[0]:
-        return float(latency_us[0])
-    for (x0, y0), (x1, y1) in zip(zip(sizes_mb, latency_us), zip(sizes_mb[1:], latency_us[1:])):
-        if mb <= x1:
-            return y0 + (y1 - y0) * (mb - x0) / (x1 - x0)
-    (x0, y0), (x1, y1) = (sizes_mb[-2], latency_us[-2]), (sizes_mb[-1], latency_us[-1])
-    return y1 + (y1 - y0) * (mb - x1) / (x1 - x0)
-
-
-def _preset_model(name: str) -> str:
-    model = name[len(PRESET_PREFIX):] if name.startswith(PRESET_PREFIX) else name
-    if model not in ARCHITECTURES:
-        raise ValueError(f"unknown Skrull model {name!r}; known: {sorted(ARCHITECTURES)} "
-                         f"(presets {SKRULL_PRESETS})")
-    return model
-
-
-class SkrullCost:
-    """Skrull's performance model on H100-80GB, in milliseconds per DP x CP group and micro-batch.
-
-    Compute (the paper's FLOPs model, b = 1, packed sequences), per layer and forward pass:
-
-        FLOPs(S) = 20 h^2 S + 4 h h_kv S + 4 h S^2
-
-    times L layers; a sequence's time is ``3 * (alpha * FLOPs(S) + beta)`` (fwd + bwd = 3 x fwd).
-    The paper fits alpha and beta by profiling; they are not published, so here they are
-    **assumptions**: ``alpha = 1 / (989 TFLOP/s * mfu)`` (H100 SXM dense bf16 peak times an
-    assumed model FLOPs utilisation, default 0.40) and ``beta = L * 5 us`` per sequence piece
-    (kernel launches, varlen bookkeeping and under-filled tiles that a sequence costs regardless
-    of its length). A sequence *sharded* over d ranks costs every rank ``alpha * FLOPs(S) / d +
-    beta``: the load-balanced (zigzag) layout splits both the linear and the S^2 term evenly, but
-    each rank still pays the fixed cost of its piece -- that is what makes CP wasteful for short
-    sequences. A *local* sequence costs its rank ``alpha * FLOPs(S) + beta`` and nothing elsewhere.
-
-    Communication of a group's sharded stream T = sum of its sharded lengths (local sequences
-    communicate nothing), from the profiled piecewise table ``collective_latency_us_by_mb``
-    (linear interpolation on the message size in MiB, `_interp_latency_us`):
-
-    * ``ring`` (default) is costed as all-gather CP (Llama-3 style; a ring moves the same bytes
-      per rank in d-1 peer-to-peer steps): per layer, forward one all-gather of K and V of the
-      whole stream (``T * 2 * h_kv * 2 bytes``), backward one all-gather again (K/V are not kept
-      gathered) and one reduce-scatter of dK/dV of the same size;
-    * ``ulysses``: per layer, forward an all-to-all of q, k, v (``T/d * (h + 2 h_kv) * 2 bytes``
-      per rank) and one of the output (``T/d * h * 2 bytes``), backward the same two again.
-
-    The table was profiled on one 8-GPU NVLink node and is used as is for every degree.
-    Communication is *not* overlapped with compute by default (``overlap=False``):
-
-        group_time = max_r (sum_sharded share(S) + sum_{local on r} full(S)) + comm(T)
-
-    With ``overlap=True`` the local sequences' compute hides the communication (the paper's
-    motivation for DACP): ``sum_sharded share(S) + max(comm(T), max_r local_r)``.
-
-    Memory is the paper's token capacity C per rank (26K tokens for Qwen2.5-0.5B, 13K for
-    Qwen2.5-7B): a rank holds its local sequences plus ``ceil(T / d)`` tokens of the stream. It is
-    expressed in MB as ``tokens * memory_limit_mb / C`` with ``memory_limit_mb`` = 80 GiB, so
-    "memory <= limit" is exactly "tokens <= C".
-    """
-
-    def __init__(self, model: str = "qwen2.5-0.5b", *, token_capacity: int | None = None,
-                 mfu: float = DEFAULT_MFU, beta_us_per_layer: float = DEFAULT_BETA_US_PER_LAYER,
-                 peak_tflops: float = H100_BF16_DENSE_TFLOPS, overlap: bool = False,
-                 memory_limit_mb: float = H100_MEMORY_MB, profile: dict | None = None):
-        self.model = _preset_model(model)
-        arch = ARCHITECTURES[self.model]
-        profile = SKRULL_H100_PROFILE if profile is None else profile
-        if token_capacity is None:
-            caps = profile["token_capacity_per_rank"]
-            if self.model not in caps:
-                raise ValueError(f"no published token capacity for {self.model!r} (have {sorted(caps)}); "
-                                 "pass token_capacity=")
-            token_capacity = caps[self.model]
-        if token_capacity < 1 or not 0 < mfu <= 1 or beta_us_per_layer < 0:
-            raise ValueError(f"{token_capacity=} must be >= 1, {mfu=} in (0, 1], {beta_us_per_layer=} >= 0")
-        self.hidden = int(arch["hidden"])
-        self.layers = int(arch["layers"])
-        self.kv_hidden = int(arch["kv_heads"]) * (self.hidden // int(arch["heads"]))
-        self.token_capacity = int(token_capacity)
-        self.mfu = float(mfu)
-        self.beta_us_per_layer = float(beta_us_per_layer)
-        self.peak_tflops = float(peak_tflops)
-        self.overlap = bool(overlap)
-        self.memory_limit_mb = float(memory_limit_mb)
-        self.mb_per_token = self.memory_limit_mb / self.token_capacity
-        self._table = profile["collective_latency_us_by_mb"]
-        self.alpha_ms_per_flop = 1e3 / (self.peak_tflops * 1e12 * self.mfu)
-        self.beta_ms = self.layers * self.beta_us_per_layer * 1e-3
-        self._full = functools.lru_cache(maxsize=1 << 16)(self._full_uncached)
-        self._share = functools.lru_cache(maxsize=1 << 16)(self._share_uncached)
-
-    @classmethod
-    def from_preset(cls, name: str, **overrides) -> "SkrullCost":
-        """'skrull-h100:qwen2.5-0.5b' | 'skrull-h100:qwen2.5-7b' (or the bare model name)."""
-        return cls(name, **overrides)
-
-    @property
-    def name(self) -> str:
-        return PRESET_PREFIX + self.model
-
-    def __repr__(self) -> str:
-        return (f"SkrullCost({self.model!r}, token_capacity={self.token_capacity}, mfu={self.mfu}, "
-                f"beta_us_per_layer={self.beta_us_per_layer}, overlap={self.overlap})")
-
-    # ------------------------------------------------------------------ per-sequence pieces
-
-    def flops(self, s: int) -> float:
-        """Forward FLOPs of one sequence of s tokens through all layers."""
-        h, hkv = self.hidden, self.kv_hidden
-        return self.layers * (20.0 * h * h * s + 4.0 * h * hkv * s + 4.0 * h * float(s) * s)
-
-    def _full_uncached(self, s: int) -> float:
-        return FWD_BWD * (self.alpha_ms_per_flop * self.flops(s) + self.beta_ms)
-
-    def full_ms(self, s: int) -> float:
-        """fwd+bwd ms of a sequence kept whole on one rank."""
-        return self._full(int(s))
-
-    def _share_uncached(self, s: int, degree: int) -> float:
-        return FWD_BWD * (self.alpha_ms_per_flop * self.flops(s) / degree + self.beta_ms)
-
-    def share_ms(self, s: int, degree: int) -> float:
-        """fwd+bwd ms one rank spends on its 1/degree piece of a sharded sequence."""
-        if degree == 1:
-            return self.full_ms(s)
-        return self._share(int(s), int(degree))
-
-    def comm_ms(self, degree: int, stream_tokens: int, scheme: str = "ring") -> float:
-        """fwd+bwd communication ms of a group's sharded stream (see the class docstring)."""
-        if degree <= 1 or stream_tokens <= 0:
-            return 0.0
-        t = self._table
-        mib = 1.0 / (1 << 20)
-        if scheme == "ulysses":
-            per_rank = stream_tokens / degree * BYTES_PER_ELEMENT * mib
-            qkv = _interp_latency_us(t["sizes_mb"], t["all_to_all"], per_rank * (self.hidden + 2 * self.kv_hidden))
-            out = _interp_latency_us(t["sizes_mb"], t["all_to_all"], per_rank * self.hidden)
-            per_layer = 2 * (qkv + out)
-        elif scheme == "ring":
-            kv_mb = stream_tokens * 2 * self.kv_hidden * BYTES_PER_ELEMENT * mib
-            per_layer = (2 * _interp_latency_us(t["sizes_mb"], t["all_gather"], kv_mb)
-                         + _interp_latency_us(t["sizes_mb"], t["reduce_scatter"], kv_mb))
-        else:
-            raise ValueError(f"scheme {scheme!r} for a group of degree {degree}: expected 'ring' or 'ulysses'")
-        return self.layers * per_layer * 1e-3
-
-    # --------------------------------------------------------------------- group level
-
-    @staticmethod
-    def _local_lists(degree: int, local_lengths) -> list[list[int]]:
-        local = [list(map(int, ids)) for ids in local_lengths]
-        if len(local) > degree:
-            raise ValueError(f"local_lengths has {len(local)} ranks, the group has degree {degree}")
-        return local + [[] for _ in range(degree - len(local))]
-
-    def rank_tokens(self, degree: int, sharded_lengths: Sequence[int],
-                    local_lengths: Sequence[Sequence[int]] = ()) -> list[int]:
-        """Tokens each rank of the group holds: its local sequences + its share of the stream."""
-        local = self._local_lists(degree, local_lengths)
-        if degree == 1:
-            return [sum(map(int, sharded_lengths)) + sum(local[0])]
-        share = -(-sum(map(int, sharded_lengths)) // degree)
-        return [share + sum(ids) for ids in local]
-
-    def group_time_ms(self, degree: int, sharded_lengths: Sequence[int],
-                      local_lengths: Sequence[Sequence[int]] = (), scheme: str = "ring",
-                      budgets=None) -> float:
-        """One DP rank's CP group for one micro-batch (budgets: dense model, ignored)."""
-        local = self._local_lists(degree, local_lengths)
-        if degree == 1:
-            return sum(self.full_ms(s) for s in sharded_lengths) + sum(self.full_ms(s) for s in local[0])
-        shard = sum(self.share_ms(s, degree) for s in sharded_lengths)
-        local_ms = max(sum(self.full_ms(s) for s in ids) for ids in local)
-        return self.combine_ms(degree, shard, local_ms, sum(map(int, sharded_lengths)), scheme)
-
-    def combine_ms(self, degree: int, shard_ms: float, max_local_ms: float, stream_tokens: int,
-                   scheme: str = "ring") -> float:
-        """A group's time from its parts: every rank's share of the sharded sequences, the
-        slowest rank's local sequences, and the stream's communication (overlapped or not)."""
-        comm = self.comm_ms(degree, stream_tokens, scheme)
-        if self.overlap:
-            return shard_ms + max(comm, max_local_ms)
-        return shard_ms + max_local_ms + comm
-
-    def group_memory_mb(self, degree: int, sharded_lengths: Sequence[int],
-                        local_lengths: Sequence[Sequence[int]] = ()) -> float:
-        return max(self.rank_tokens(degree, sharded_lengths, local_lengths)) * self.mb_per_token
-
-    def plan_time_ms(self, plan: Plan) -> float:
-        """Sum over micro-batches of the slowest group. With DP the groups of a micro-batch are the
-        DP ranks' CP groups: ranks synchronise every micro-batch (ZeRO-3 gathers parameters per
-        layer), so a micro-batch lasts as long as its slowest DP rank."""
-        total = 0.0
-        for m, mb in enumerate(plan.template.microbatches):
-            worst = 0.0
-            for g, group in enumerate(mb.groups):
-                sharded, local = plan.sequences_of(m, g)
-                local_lengths = [[plan.lengths[i] for i in local.get(r, [])] for r in range(group.degree)]
-                worst = max(worst, self.group_time_ms(group.degree, [plan.lengths[i] for i in sharded],
-                                                      local_lengths, group.scheme if group.degree > 1 else "ring"))
-            total += worst
-        return total
-
+from jaxsb.plan import SHARDED, GroupSpec, Plan, PlanError, Runnable, build_plan
+from jaxsb.planner.base import PlannerBase, check_scheme, resolve_align
+from jaxsb.planner.cost import token_capacity as cost_token_capacity
+from jaxsb.planner.skrull_cost import SkrullCost
 
 # ------------------------------------------------------------------------------- the planner
 
 
-def _token_capacity(cost) -> int:
-    """A cost model's per-rank token capacity: its `token_capacity`, else the most tokens one
-    device may hold whole under `memory_limit_mb` (bisection on `group_memory_mb`)."""
-    cap = getattr(cost, "token_capacity", None)
-    if callable(cap):  # formula cost models: tokens a group of `degree` devices holds
-        return int(cap(1))
-    if cap is not None:
-        return int(cap)
-    limit = cost.memory_limit_mb
-    if cost.group_memory_mb(1, (1,)) > limit:
-        raise PlanError(f"cost model {cost.name}: even 1 token exceeds the memory limit {limit} MB")
-    lo, hi = 1, 2
-    while cost.group_memory_mb(1, (hi,)) <= limit:
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if cost.group_memory_mb(1, (mid,)) <= limit else (lo, mid)
-    return lo
-
-
-class SkrullPlanner:
+class SkrullPlanner(PlannerBase):
     """Skrull's GDS + DACP over a DP x CP mesh (``dp * cp <= num_devices``; devices
     [g*cp, (g+1)*cp) form DP rank g's CP group in every micro-batch).
 
@@ -319,7 +51,9 @@ class SkrullPlanner:
       * ``gds``: global data scheduling on/off (default: on for Skrull, off for all_sharded);
       * ``extra_microbatches``: also try that many micro-batch counts above the smallest feasible
         one and keep the fastest modelled (0 = the paper's rule, the smallest feasible count);
-      * ``token_capacity``: override the cost model's per-rank capacity C.
+      * ``token_capacity``: override the cost model's per-rank capacity C;
+      * ``runnable``: what the executor runs (its alignment; a ulysses CP degree it cannot run
+        is refused here), or ``align`` (buffer alignment, for the simulator).
 
     GDS: sequences in decreasing modelled time go to the least-loaded DP rank; every DP rank then
     cuts its length-sorted list into k micro-batches by strided interleave (micro-batch j gets
@@ -339,7 +73,7 @@ class SkrullPlanner:
     def __init__(self, cost, num_devices: int, *, dp: int | None = None, cp: int | None = None,
                  seqs_per_dp_rank: int | None = None, time_limit_s: float = 1.0, scheme: str = "ring",
                  all_sharded: bool = False, gds: bool | None = None, extra_microbatches: int = 0,
-                 token_capacity: int | None = None, align: int = 1):
+                 token_capacity: int | None = None, align: int = 1, runnable: Runnable | None = None):
         if num_devices < 1:
             raise ValueError(f"{num_devices=} must be >= 1")
         if cp is None:
@@ -348,8 +82,11 @@ class SkrullPlanner:
             dp = num_devices // cp
         if dp < 1 or cp < 1 or dp * cp > num_devices:
             raise ValueError(f"dp={dp} x cp={cp} must be >= 1 and use at most {num_devices=} devices")
-        if scheme not in ("ring", "ulysses"):
-            raise ValueError(f"{scheme=}: Skrull's CP groups run 'ring' or 'ulysses'")
+        check_scheme(self.name, scheme)
+        if scheme == "ulysses" and cp > 1 and runnable is not None and not runnable.ulysses_degree_ok(cp):
+            raise ValueError(f"skrull: the executor cannot run ulysses CP groups of {cp} with this model (sparse "
+                             f"routing needs degrees dividing kv_heads={runnable.kv_heads}); use scheme='ring'")
+        self.runnable = runnable
         self.cost = cost
         self.num_devices = int(num_devices)
         self.dp, self.cp = int(dp), int(cp)
@@ -359,11 +96,16 @@ class SkrullPlanner:
         self.all_sharded = bool(all_sharded)
         self.gds = (not self.all_sharded) if gds is None else bool(gds)
         self.extra_microbatches = int(extra_microbatches)
-        self.capacity = int(token_capacity) if token_capacity is not None else _token_capacity(cost)
-        self.align = int(align)
+        if token_capacity is None:  # the cost model's per-rank C (Skrull's), else what one device holds
+            own = getattr(cost, "token_capacity", None)
+            token_capacity = own if isinstance(own, int) else cost_token_capacity(cost, 1)
+            if token_capacity < 1:
+                raise PlanError(f"cost model {cost.name}: even 1 token exceeds the memory limit "
+                                f"{cost.memory_limit_mb} MB")
+        self.capacity = int(token_capacity)
+        self.align = resolve_align(runnable, align)
         if self.all_sharded:
             self.name = "skrull-all-sharded" if self.gds else "static-cp"
-        self.last_info: dict = {}
         self._full_cache: dict[int, float] = {}
 
     # ------------------------------------------------------------------------------ pieces
@@ -580,9 +322,8 @@ class SkrullPlanner:
                   if s > self.capacity and cp > 1]
         return max([work / n_ranks] + forced)
 
-    def plan(self, lengths: Sequence[int], budgets=None) -> Plan:
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         t0 = time.perf_counter()
-        lengths = [int(n) for n in lengths]
         if not lengths:
             raise PlanError("empty batch: nothing to plan")
         for i, s in enumerate(lengths):
@@ -614,8 +355,7 @@ class SkrullPlanner:
         if not message:
             message = (f"{len(specs)} micro-batch(es) x dp={self.dp} CP groups of {self.cp}; "
                        f"{n_local} of {len(lengths)} sequences local")
-        self.last_info = {
-            "solve_seconds": time.perf_counter() - t0,
+        return plan, {
             "fell_back": fell_back,
             "message": message,
             "num_microbatches": len(specs),
@@ -627,7 +367,6 @@ class SkrullPlanner:
             "cp": self.cp,
             "token_capacity": self.capacity,
         }
-        return plan
 
 
 # -------------------------------------------------------------------------- length mixes

@@ -20,34 +20,14 @@ A step's time is the cost model's: sum over micro-batches of the slowest group.
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Sequence
 
 import numpy as np
 
+from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable, build_plan
+from jaxsb.planner.base import (PlannerBase, check_degrees, check_longest_fits, check_options, check_scheme,
+                                pow2_degrees, resolve_align)
 from jaxsb.planner.cost import CostModel, token_capacity
-from jaxsb.planner.plan import GroupSpec, Plan, PlanError, build_plan
-
-
-def power_of_two_degrees(num_devices: int) -> list[int]:
-    out, d = [], 1
-    while d <= num_devices:
-        out.append(d)
-        d *= 2
-    return out
-
-
-def check_fits(cost: CostModel, num_devices: int, lengths: Sequence[int]) -> None:
-    """PlanError for the longest sequence that does not fit even on all devices."""
-    if not len(lengths):
-        return
-    cap = token_capacity(cost, num_devices)
-    longest = max(lengths)
-    if longest > cap:
-        i = list(lengths).index(longest)
-        raise PlanError(f"sequence {i} of length {longest} does not fit even on all {num_devices} devices: "
-                        f"their memory ({cost.memory_limit_mb:.0f} MB each, cost model {cost.name}) holds "
-                        f"{cap} tokens")
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: float) -> list[list[int]]:
@@ -71,28 +51,30 @@ def best_fit_decreasing(lengths: Sequence[int], capacity: float) -> list[list[in
     return bins
 
 
-class StaticPlanner:
+class StaticPlanner(PlannerBase):
     """One fixed SP degree (`degree`, default all devices) for every micro-batch."""
 
     name = "static"
 
     def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
                  scheme: str = "ulysses", degree: int | None = None, fill: float = 0.9,
-                 even_min_degree: int = 16, align: int = 1, **options):
-        if options:
-            raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
+                 even_min_degree: int = 16, align: int = 1, runnable: Runnable | None = None, **options):
+        check_options(self.name, options)
         degree = num_devices if degree is None else int(degree)
         if not 1 <= degree <= num_devices:
             raise ValueError(f"degree={degree} must be in [1, num_devices={num_devices}]")
-        if scheme not in ("ulysses", "ring"):
-            raise ValueError(f"scheme={scheme!r} must be 'ulysses' or 'ring'")
+        check_scheme(self.name, scheme)
+        if scheme == "ulysses" and degree > 1 and runnable is not None and not runnable.ulysses_degree_ok(degree):
+            raise ValueError(f"{self.name}: the executor cannot run ulysses groups of degree {degree} with this "
+                             f"model (sparse routing needs degrees dividing kv_heads={runnable.kv_heads}); use "
+                             "scheme='ring' or another degree")
+        self.runnable = runnable
         if not 0 < fill <= 1:
             raise ValueError(f"fill={fill} must be in (0, 1]")
         self.cost, self.num_devices, self.degree = cost, int(num_devices), degree
         self.scheme, self.fill, self.even_min_degree = scheme, float(fill), int(even_min_degree)
-        self.align = int(align)  # buffer alignment for build_plan (the sparse block size)
+        self.align = resolve_align(runnable, align)  # buffer alignment (the sparse block size)
         self.time_limit_s = time_limit_s  # unused: the heuristic takes milliseconds
-        self.last_info: dict = {}
 
     def groups(self, lengths: Sequence[int]) -> list[list[list[int]]]:
         """Per micro-batch, per group (N // degree of them): sequence ids."""
@@ -141,15 +123,11 @@ class StaticPlanner:
                         tok[j] -= lengths[k]
                         tok[i] += lengths[k]
 
-    def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan:
-        t0 = time.perf_counter()
-        lengths = [int(n) for n in lengths]
-        check_fits(self.cost, self.num_devices, lengths)
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
+        check_longest_fits(self.cost, self.num_devices, lengths)
         plan = self._build(self.groups(lengths), lengths, budgets)
-        self.last_info = dict(solve_seconds=time.perf_counter() - t0, fell_back=False,
-                              message=f"degree {self.degree}, {len(plan.template.microbatches)} micro-batches",
-                              degree=self.degree, microbatches=len(plan.template.microbatches))
-        return plan
+        return plan, dict(message=f"degree {self.degree}, {len(plan.template.microbatches)} micro-batches",
+                          degree=self.degree, microbatches=len(plan.template.microbatches))
 
     def _build(self, mbs, lengths, budgets) -> Plan:
         specs = [[GroupSpec(self.degree, self.scheme, tuple(sorted(g))) for g in groups] for groups in mbs]
@@ -157,7 +135,7 @@ class StaticPlanner:
         return dataclasses.replace(plan, predicted_ms=float(self.cost.plan_time_ms(plan)))
 
 
-class BatchAdaptivePlanner:
+class BatchAdaptivePlanner(PlannerBase):
     """The best single SP degree per batch: every power-of-2 degree (but `skip_degrees`) is
     planned as StaticPlanner does, and the one with the least modeled time is kept (ties: the
     smaller degree)."""
@@ -167,23 +145,25 @@ class BatchAdaptivePlanner:
     def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
                  scheme: str = "ulysses", degrees: Sequence[int] | None = None,
                  skip_degrees: Sequence[int] = (), fill: float = 0.9, even_min_degree: int = 16,
-                 align: int = 1, **options):
-        if options:
-            raise TypeError(f"{type(self).__name__}: unknown options {sorted(options)}")
-        degrees = power_of_two_degrees(num_devices) if degrees is None else sorted(int(d) for d in degrees)
-        degrees = [d for d in degrees if d not in set(int(s) for s in skip_degrees)]
-        if not degrees:
+                 align: int = 1, runnable: Runnable | None = None, **options):
+        check_options(self.name, options)
+        check_scheme(self.name, scheme)
+        degrees = pow2_degrees(num_devices) if degrees is None else degrees
+        skip = set(int(s) for s in skip_degrees)
+        if scheme == "ulysses" and runnable is not None:  # degrees the executor cannot run are no option
+            skip |= {d for d in degrees if d > 1 and not runnable.ulysses_degree_ok(d)}
+        if not [d for d in degrees if d not in skip]:
             raise ValueError("batch-adaptive: no degree left to try")
+        degrees = list(check_degrees(self.name, [d for d in degrees if d not in skip], num_devices))
         self.cost, self.num_devices, self.degrees = cost, int(num_devices), degrees
+        self.runnable = runnable
         self.time_limit_s = time_limit_s
         self._static = [StaticPlanner(cost, num_devices, scheme=scheme, degree=d, fill=fill,
-                                      even_min_degree=even_min_degree, align=align) for d in degrees]
-        self.last_info: dict = {}
+                                      even_min_degree=even_min_degree, align=align, runnable=runnable)
+                        for d in degrees]
 
-    def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan:
-        t0 = time.perf_counter()
-        lengths = [int(n) for n in lengths]
-        check_fits(self.cost, self.num_devices, lengths)
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
+        check_longest_fits(self.cost, self.num_devices, lengths)
         best, tried = None, {}
         for planner in self._static:
             try:
@@ -200,9 +180,5 @@ class BatchAdaptivePlanner:
                             f"{token_capacity(self.cost, self.degrees[-1])})")
         best = dataclasses.replace(best, planner=self.name)
         degree = best.template.microbatches[0].groups[0].degree
-        self.last_info = dict(solve_seconds=time.perf_counter() - t0, fell_back=False,
-                              message=f"degree {degree} of {sorted(tried)}, "
-                                      f"{len(best.template.microbatches)} micro-batches",
-                              degree=degree, microbatches=len(best.template.microbatches),
-                              tried_ms=tried)
-        return best
+        return best, dict(message=f"degree {degree} of {sorted(tried)}, {len(best.template.microbatches)} micro-batches",
+                          degree=degree, microbatches=len(best.template.microbatches), tried_ms=tried)

@@ -1,7 +1,7 @@
 """The work a Plan makes the devices do, counted the way the executor's kernels do it.
 
 `microbatch_work(plan, m, ...)` lays micro-batch m out exactly as the executor does
-(`jaxsb.parallel.layout.layout_microbatch`, on placeholder tokens) and counts, summed over all
+(`jaxsb.plan.layout.layout_microbatch`, on placeholder tokens) and counts, summed over all
 devices:
 
 * `tokens`: buffer tokens (shard region + local region, padding and idle devices included:
@@ -13,7 +13,7 @@ devices:
     nonzero segment ids overlap, or both blocks hold padding (id 0); key block <= query block;
     FULL (no mask) when both blocks hold one and the same id and the key block is strictly
     before the query block;
-  - ring rounds (kernels_pallas/flash_attention/chunk_tables.py `pair_flags`): the ranges of
+  - ring rounds (kernels_pallas/ring_chunk/tables.py `pair_flags`): the ranges of
     real ids overlap and the first real key position <= the last real query position; padding
     pairs only in the device's own round, between blocks that share tokens; FULL when both
     blocks hold one id and every key position <= every query position;
@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from jaxsb.planner.plan import Plan
+from jaxsb.plan import Plan
 
 FEATURES = ("microbatches", "tokens", "pairs", "masked_pairs", "ring_rounds", "ring_tokens", "ulysses_tokens")
 
@@ -108,7 +108,7 @@ def _count(computed: np.ndarray, full: np.ndarray, block: int) -> np.ndarray:
 def placeholder_sequences(lengths) -> list:
     """Sequences of the given lengths whose only meaningful field is their positions: what the
     layout needs to place segment ids and positions."""
-    from jaxsb.parallel.layout import SeqData
+    from jaxsb.plan.layout import SeqData
 
     out = []
     for n in lengths:
@@ -123,7 +123,7 @@ def microbatch_work(plan: Plan, m: int, *, attention_block: int, sparse_block: i
     attends block-sparse with blocks of that many tokens (and the plan's budgets); otherwise
     dense attention in blocks of `attention_block`. `seqs`: placeholder_sequences of the plan's
     lengths, when the caller already has them."""
-    from jaxsb.parallel.layout import layout_microbatch
+    from jaxsb.plan.layout import layout_microbatch
 
     mb = plan.template.microbatches[m]
     N, S, L = plan.template.num_devices, mb.shard_len, mb.local_len

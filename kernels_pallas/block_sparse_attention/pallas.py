@@ -49,7 +49,7 @@ from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_comp
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SparseTritonBlocks:
     """Static blocking of one call (hashable: a nondiff argument of the custom_vjp)."""
 
     T: int
@@ -74,13 +74,14 @@ class Plan:
         return 1.0 / math.sqrt(self.D)
 
 
-def make_plan(T: int, D: int, block_size: int, interpret: bool) -> Plan:
+def make_sparse_triton_blocks(T: int, D: int, block_size: int,
+                              interpret: bool) -> SparseTritonBlocks:
     """block_size is part of the semantics (it defines the blocks), so it is never changed."""
     if not interpret and (block_size & (block_size - 1) or block_size < 16):
         raise ValueError(
             f"{block_size=} must be a power of two >= 16 for compiled Pallas (T={T})"
         )
-    return Plan(int(T), int(D), int(block_size), bool(interpret))
+    return SparseTritonBlocks(int(T), int(D), int(block_size), bool(interpret))
 
 
 # ----------------------------------------------------------------------------- host metadata
@@ -116,24 +117,25 @@ def block_tables(block_indices, block_counts, nb: int):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _mask(sq, sk, q_start, k_start, plan: Plan):
+def _mask(sq, sk, q_start, k_start, blocks: SparseTritonBlocks):
     """[bs, bs] bool: same segment, causal, key not padding."""
-    shape = (plan.bs, plan.bs)
+    shape = (blocks.bs, blocks.bs)
     qpos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
     kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = (sq[:, None] == sk[None, :]) & (kpos <= qpos)
-    if plan.Tp > plan.T:
+    if blocks.Tp > blocks.T:
         # Redundant for real queries (padded keys follow every one of them, so causality
         # removes them) and padded query rows get a zero cotangent; kept so no row of the
         # kernel ever mixes in padding, whatever the caller does with those rows.
-        mask = mask & (kpos < plan.T)
+        mask = mask & (kpos < blocks.T)
     return mask
 
 
-def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *, plan: Plan):
-    bs, Dp = plan.bs, plan.Dp
+def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
+                blocks: SparseTritonBlocks):
+    bs, Dp = blocks.bs, blocks.Dp
     q_start = pl.program_id(2) * bs
-    q = q_ref[...].astype(jnp.float32) * plan.scale  # [bs, Dp]
+    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bs, Dp]
     sq = sq_ref[...]
 
     def body(s, carry):
@@ -142,7 +144,7 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
         k = k_ref[k_slice, :].astype(jnp.float32)
         v = v_ref[k_slice, :].astype(jnp.float32)
-        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, plan)
+        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
         sc = jnp.where(mask, _dot(q, k, _NT), NEG)
         m_new = jnp.maximum(m, sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
@@ -163,10 +165,10 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
 
 
 def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-               dq_ref, *, plan: Plan):
-    bs, Dp = plan.bs, plan.Dp
+               dq_ref, *, blocks: SparseTritonBlocks):
+    bs, Dp = blocks.bs, blocks.Dp
     q_start = pl.program_id(2) * bs
-    q = q_ref[...].astype(jnp.float32) * plan.scale
+    q = q_ref[...].astype(jnp.float32) * blocks.scale
     do = do_ref[...].astype(jnp.float32)
     lse = lse_ref[...]
     delta = delta_ref[...]
@@ -177,18 +179,18 @@ def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
         k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
         k = k_ref[k_slice, :].astype(jnp.float32)
         v = v_ref[k_slice, :].astype(jnp.float32)
-        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, plan)
+        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
         p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse[:, None]), 0.0)
         ds = p * (_dot(do, v, _NT) - delta[:, None])
         return dq + _dot(ds, k, _NN)
 
     dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((bs, Dp), jnp.float32))
-    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, plan: Plan, G: int):
-    bs, Dp = plan.bs, plan.Dp
+                dk_ref, dv_ref, *, blocks: SparseTritonBlocks, G: int):
+    bs, Dp = blocks.bs, blocks.Dp
     k_start = pl.program_id(2) * bs
     k = k_ref[...].astype(jnp.float32)  # [bs, Dp]
     v = v_ref[...].astype(jnp.float32)
@@ -200,9 +202,9 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
             dk, dv = carry
             i = tab_ref[1 + t]
             q_slice = pl.ds(pl.multiple_of(i * bs, bs), bs)
-            q = q_ref[g, q_slice, :].astype(jnp.float32) * plan.scale
+            q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
             do = do_ref[g, q_slice, :].astype(jnp.float32)
-            mask = _mask(sq_ref[q_slice], sk, i * bs, k_start, plan)
+            mask = _mask(sq_ref[q_slice], sk, i * bs, k_start, blocks)
             p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None]), 0.0)
             dv = dv + _dot(p, do, _TN)
             ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
@@ -220,24 +222,24 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _layout(x_BxTxNxD, plan: Plan):
+def _layout(x_BxTxNxD, blocks: SparseTritonBlocks):
     """[B, T, N, D] -> [B, N, Tp, Dp] (zero padding), input dtype kept."""
-    return pad_axis(pad_axis(x_BxTxNxD, 1, plan.Tp), 3, plan.Dp).transpose(0, 2, 1, 3)
+    return pad_axis(pad_axis(x_BxTxNxD, 1, blocks.Tp), 3, blocks.Dp).transpose(0, 2, 1, 3)
 
 
-def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
-    return x_BxNxTpxDp[:, :, : plan.T, : plan.D].transpose(0, 2, 1, 3).astype(dtype)
+def _unlayout(x_BxNxTpxDp, blocks: SparseTritonBlocks, dtype):
+    return x_BxNxTpxDp[:, :, : blocks.T, : blocks.D].transpose(0, 2, 1, 3).astype(dtype)
 
 
-def _forward(q, k, v, seg, fwd_tab, plan: Plan):
+def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
     B, _, H, _ = q.shape
     G = H // k.shape[2]
-    bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
+    bs, Dp, Tp = blocks.bs, blocks.Dp, blocks.Tp
     W = fwd_tab.shape[-1]
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
     return pl.pallas_call(
-        functools.partial(_fwd_kernel, plan=plan),
-        grid=(B, H, plan.nb),
+        functools.partial(_fwd_kernel, blocks=blocks),
+        grid=(B, H, blocks.nb),
         in_specs=[
             pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),  # table row
             pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),  # query segment ids
@@ -254,27 +256,27 @@ def _forward(q, k, v, seg, fwd_tab, plan: Plan):
             jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
             jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
         ],
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="block_sparse_attention_fwd",
-    )(fwd_tab, seg_p, seg_p, _layout(q, plan), _layout(k, plan), _layout(v, plan))
+    )(fwd_tab, seg_p, seg_p, _layout(q, blocks), _layout(k, blocks), _layout(v, blocks))
 
 
-def _backward(plan: Plan, res, do):
+def _backward(blocks: SparseTritonBlocks, res, do):
     q, k, v, seg, fwd_tab, bwd_tab, o, lse = res
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
-    bs, Dp, Tp = plan.bs, plan.Dp, plan.Tp
+    bs, Dp, Tp = blocks.bs, blocks.Dp, blocks.Tp
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
-    qt, kt, vt = _layout(q, plan), _layout(k, plan), _layout(v, plan)
-    dot = _layout(do, plan)  # padded rows and columns get a zero cotangent
+    qt, kt, vt = _layout(q, blocks), _layout(k, blocks), _layout(v, blocks)
+    dot = _layout(do, blocks)  # padded rows and columns get a zero cotangent
     delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tp]
     W = fwd_tab.shape[-1]
 
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan),
-        grid=(B, H, plan.nb),
+        functools.partial(_dq_kernel, blocks=blocks),
+        grid=(B, H, blocks.nb),
         in_specs=[
             pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),
             pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),
@@ -288,8 +290,8 @@ def _backward(plan: Plan, res, do):
         ],
         out_specs=pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="block_sparse_attention_dq",
     )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
 
@@ -297,8 +299,8 @@ def _backward(plan: Plan, res, do):
     grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
     Wb = bwd_tab.shape[-1]
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, plan=plan, G=G),
-        grid=(B, K, plan.nb),
+        functools.partial(_dkv_kernel, blocks=blocks, G=G),
+        grid=(B, K, blocks.nb),
         in_specs=[
             pl.BlockSpec((None, None, None, Wb), lambda b, h, j: (b, h, j, 0)),  # table row
             pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),  # query segment ids (row)
@@ -318,14 +320,14 @@ def _backward(plan: Plan, res, do):
             jax.ShapeDtypeStruct((B, K, Tp, Dp), k.dtype),
             jax.ShapeDtypeStruct((B, K, Tp, Dp), v.dtype),
         ],
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="block_sparse_attention_dkv",
     )(bwd_tab, seg_p, seg_p, grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta))
     return (
-        _unlayout(dq, plan, q.dtype),
-        _unlayout(dk, plan, k.dtype),
-        _unlayout(dv, plan, v.dtype),
+        _unlayout(dq, blocks, q.dtype),
+        _unlayout(dk, blocks, k.dtype),
+        _unlayout(dv, blocks, v.dtype),
         None,
         None,
         None,
@@ -333,13 +335,13 @@ def _backward(plan: Plan, res, do):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6,))
-def _sparse(q, k, v, seg, fwd_tab, bwd_tab, plan):
-    return _unlayout(_forward(q, k, v, seg, fwd_tab, plan)[0], plan, q.dtype)
+def _sparse(q, k, v, seg, fwd_tab, bwd_tab, blocks):
+    return _unlayout(_forward(q, k, v, seg, fwd_tab, blocks)[0], blocks, q.dtype)
 
 
-def _sparse_fwd(q, k, v, seg, fwd_tab, bwd_tab, plan):
-    o, lse = _forward(q, k, v, seg, fwd_tab, plan)
-    return _unlayout(o, plan, q.dtype), (q, k, v, seg, fwd_tab, bwd_tab, o, lse)
+def _sparse_fwd(q, k, v, seg, fwd_tab, bwd_tab, blocks):
+    o, lse = _forward(q, k, v, seg, fwd_tab, blocks)
+    return _unlayout(o, blocks, q.dtype), (q, k, v, seg, fwd_tab, bwd_tab, o, lse)
 
 
 _sparse.defvjp(_sparse_fwd, _backward)
@@ -353,9 +355,9 @@ def block_sparse_attention_pallas(
     interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
     """
     B, T, _, D = q.shape
-    plan = make_plan(T, D, block_size, interpret)
+    blocks = make_sparse_triton_blocks(T, D, block_size, interpret)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     idx = lax.stop_gradient(block_indices)
     counts = lax.stop_gradient(block_counts)
-    fwd_tab, bwd_tab = block_tables(idx, counts, plan.nb)
-    return _sparse(q, k, v, seg, fwd_tab, bwd_tab, plan)
+    fwd_tab, bwd_tab = block_tables(idx, counts, blocks.nb)
+    return _sparse(q, k, v, seg, fwd_tab, bwd_tab, blocks)

@@ -7,9 +7,9 @@ Host metadata first (`block_lists`, plain JAX on small int arrays): per query bl
 entries (slot below the count, index in [0, n]: a later block selects nothing under the causal
 mask) with repeats removed, compacted and sorted ascending, and their number `cnt`. Then the
 query blocks are sorted by decreasing `cnt` (per row and kv head) and cut into groups of
-`Plan.gq` consecutive blocks. Group g runs `trip[g]` = its largest count (its first block's)
-slot steps, so the work is sum over groups of trip[g] x gq query blocks, which follows each
-query block's own count up to the spread inside one group, instead of max(counts) x nq.
+`SparseBlocks.gq` consecutive blocks. Group g runs `trip[g]` = its largest count (its first
+block's) slot steps, so the work is sum over groups of trip[g] x gq query blocks, which follows
+each query block's own count up to the spread inside one group, instead of max(counts) x nq.
 
 One slot step of one group: gather the gq key/value blocks it needs ([B, K, gq, bs, D], one
 per query block), scores as one batched matmul [B, K, gq, G*bs, bs], mask (slot valid, causal,
@@ -56,7 +56,7 @@ _NO_SEG = jnp.iinfo(jnp.int32).min  # "not one segment" marker in _metadata
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class SparseBlocks:
     """Static blocking of one call: T, the block size, query blocks per loop step."""
 
     T: int
@@ -81,13 +81,14 @@ class Plan:
         return self.ngroups * self.gq
 
 
-def make_plan(B: int, T: int, H: int, K: int, block_size: int, gq: int | None = None) -> Plan:
+def make_sparse_blocks(B: int, T: int, H: int, K: int, block_size: int,
+                       gq: int | None = None) -> SparseBlocks:
     """gq = query blocks per step: as many as keep the step's scores near SCORE_TILE_BYTES."""
     nb = -(-T // block_size)
     if gq is None:
         per_block = B * H * block_size * block_size * 4
         gq = SCORE_TILE_BYTES // per_block
-    return Plan(T=int(T), bs=int(block_size), gq=int(max(1, min(gq, nb))))
+    return SparseBlocks(T=int(T), bs=int(block_size), gq=int(max(1, min(gq, nb))))
 
 
 def _pad_t(x, n, axis=1, mode="constant", value=0):
@@ -120,22 +121,22 @@ class Meta(NamedTuple):
     full: jax.Array  # [ngroups, M] bool: the step needs no mask (see _metadata)
 
 
-def _metadata(idx, counts, seg_BxT, plan: Plan) -> Meta:
+def _metadata(idx, counts, seg_BxT, blocks: SparseBlocks) -> Meta:
     """Lists sorted by count, groups' trip counts, and which steps need no mask: every pair
     of the step is below its count, strictly below the diagonal (so causal holds and the
     key block has no padding) and both blocks hold one and the same segment id."""
-    nb, bs = plan.nb, plan.bs
+    nb, bs = blocks.nb, blocks.bs
     lst, cnt = block_lists(idx, counts, nb)
-    extra = plan.nqp - nb
+    extra = blocks.nqp - nb
     if extra:
-        lst = _pad_t(lst, plan.nqp, axis=2, value=nb)
-        cnt = _pad_t(cnt, plan.nqp, axis=2, value=0)
+        lst = _pad_t(lst, blocks.nqp, axis=2, value=nb)
+        cnt = _pad_t(cnt, blocks.nqp, axis=2, value=0)
     perm = jnp.argsort(-cnt, axis=-1, stable=True).astype(jnp.int32)
     cnt = jnp.take_along_axis(cnt, perm, axis=-1)
     lst = jnp.take_along_axis(lst, perm[..., None], axis=-2)
-    trip = cnt[:, :, :: plan.gq].max(axis=(0, 1))  # a group's first block has its largest count
+    trip = cnt[:, :, :: blocks.gq].max(axis=(0, 1))  # a group's first block has its largest count
 
-    seg_b = _pad_t(seg_BxT, plan.Tp, mode="edge").reshape(-1, nb, bs)
+    seg_b = _pad_t(seg_BxT, blocks.Tp, mode="edge").reshape(-1, nb, bs)
     first = seg_b[:, :, 0]
     one = (seg_b == first[..., None]).all(-1) & (first != _NO_SEG)  # [B, nb]
     first = jnp.where(one, first, _NO_SEG)  # _NO_SEG: never equal to a one-segment block
@@ -146,7 +147,7 @@ def _metadata(idx, counts, seg_BxT, plan: Plan) -> Meta:
     pair = pair & (q_first[..., None] != _NO_SEG)
     pair = pair & (jnp.arange(lst.shape[-1]) < cnt[..., None])
     B, K, _, M = lst.shape
-    full = pair.reshape(B, K, plan.ngroups, plan.gq, M).all(axis=(0, 1, 3))
+    full = pair.reshape(B, K, blocks.ngroups, blocks.gq, M).all(axis=(0, 1, 3))
     return Meta(perm, lst, cnt, trip, full)
 
 
@@ -161,10 +162,10 @@ def _unsort_blocks(x_BxKxNx_, perm_BxKxN, n: int):
     return _sort_blocks(x_BxKxNx_, jnp.argsort(perm_BxKxN, axis=-1))[:, :, :n]
 
 
-def _groups(x_BxKxNx_, plan: Plan):
+def _groups(x_BxKxNx_, blocks: SparseBlocks):
     """[B, K, nqp, ...] -> [ngroups, B, K, gq, ...] (scan's leading axis)."""
     B, K = x_BxKxNx_.shape[:2]
-    x = x_BxKxNx_.reshape((B, K, plan.ngroups, plan.gq) + x_BxKxNx_.shape[3:])
+    x = x_BxKxNx_.reshape((B, K, blocks.ngroups, blocks.gq) + x_BxKxNx_.shape[3:])
     return jnp.moveaxis(x, 2, 0)
 
 
@@ -178,53 +179,53 @@ def _gather_blocks(x_BxKxNBx_, idx_BxKxN):
     return jax.vmap(jax.vmap(lambda x, i: x[i]))(x_BxKxNBx_, idx_BxKxN)
 
 
-def _key_blocks(x_BxTxKxD, plan: Plan):
+def _key_blocks(x_BxTxKxD, blocks: SparseBlocks):
     """[B, K, nb + 1, bs, D] float32; block nb (the filler index) is zeros, so a slot past a
     block's count reads no selected block at all (NaN/inf in unselected blocks stays out)."""
     B, _, K, D = x_BxTxKxD.shape
-    x = _pad_t(x_BxTxKxD.astype(jnp.float32), plan.Tp + plan.bs)
-    return x.reshape(B, plan.nb + 1, plan.bs, K, D).transpose(0, 3, 1, 2, 4)
+    x = _pad_t(x_BxTxKxD.astype(jnp.float32), blocks.Tp + blocks.bs)
+    return x.reshape(B, blocks.nb + 1, blocks.bs, K, D).transpose(0, 3, 1, 2, 4)
 
 
-def _prepare(q, seg, meta: Meta, plan: Plan, K: int):
+def _prepare(q, seg, meta: Meta, blocks: SparseBlocks, K: int):
     """Sorted, grouped query side ([ngroups, B, K, gq, ...]) and the key blocks' segment ids."""
     B, T, H, D = q.shape
     G = H // K
-    nb, bs = plan.nb, plan.bs
-    qt = _to_blocked_q(q * (1.0 / math.sqrt(D)), K, plan)  # [B, K, nqp, G, bs, D]
-    qt = qt.reshape(B, K, plan.nqp, G * bs, D)
-    seg_b = _pad_t(seg, plan.Tp, mode="edge").reshape(B, nb, bs)
-    seg_q = _pad_t(seg_b, plan.nqp, axis=1, mode="edge")  # filler query blocks: count 0, masked
-    seg_q = jnp.broadcast_to(seg_q[:, None], (B, K, plan.nqp, bs))
+    nb, bs = blocks.nb, blocks.bs
+    qt = _to_blocked_q(q * (1.0 / math.sqrt(D)), K, blocks)  # [B, K, nqp, G, bs, D]
+    qt = qt.reshape(B, K, blocks.nqp, G * bs, D)
+    seg_b = _pad_t(seg, blocks.Tp, mode="edge").reshape(B, nb, bs)
+    seg_q = _pad_t(seg_b, blocks.nqp, axis=1, mode="edge")  # filler query blocks: count 0, masked
+    seg_q = jnp.broadcast_to(seg_q[:, None], (B, K, blocks.nqp, bs))
     seg_k = _pad_t(seg_b, nb + 1, axis=1, mode="edge")
     seg_k = jnp.broadcast_to(seg_k[:, None], (B, K, nb + 1, bs))
     side = dict(
-        q=_groups(_sort_blocks(qt, meta.perm), plan),
-        seg=_groups(_sort_blocks(seg_q, meta.perm), plan),
-        blk=_groups(meta.perm, plan),
-        lst=_groups(meta.lst, plan),
-        cnt=_groups(meta.cnt, plan),
+        q=_groups(_sort_blocks(qt, meta.perm), blocks),
+        seg=_groups(_sort_blocks(seg_q, meta.perm), blocks),
+        blk=_groups(meta.perm, blocks),
+        lst=_groups(meta.lst, blocks),
+        cnt=_groups(meta.cnt, blocks),
         trip=meta.trip,
         full=meta.full,
     )
     return side, seg_k
 
 
-def _step_mask(xs, s, seg_k, plan: Plan, transposed: bool = False):
+def _step_mask(xs, s, seg_k, blocks: SparseBlocks, transposed: bool = False):
     """The mask of slot s, [B, K, gq, bs_q, bs_k] (transposed:
     [B, K, gq, bs_k, bs_q]): slot below the count, same segment, causal, key not padding."""
     j = xs["lst"][..., s]
     sk = _gather_blocks(seg_k, j)  # [B, K, gq, bs]
-    iota = jnp.arange(plan.bs)
-    qpos = xs["blk"][..., None] * plan.bs + iota  # [B, K, gq, bs]
-    kpos = j[..., None] * plan.bs + iota
+    iota = jnp.arange(blocks.bs)
+    qpos = xs["blk"][..., None] * blocks.bs + iota  # [B, K, gq, bs]
+    kpos = j[..., None] * blocks.bs + iota
     qa, ka = (-1, -2) if transposed else (-2, -1)
     qx = lambda x: jnp.expand_dims(x, ka)
     kx = lambda x: jnp.expand_dims(x, qa)
     mask = (qx(xs["seg"]) == kx(sk)) & (kx(kpos) <= qx(qpos))
     mask = mask & (s < xs["cnt"])[..., None, None]
-    if plan.Tp > plan.T:
-        mask = mask & (kx(kpos) < plan.T)
+    if blocks.Tp > blocks.T:
+        mask = mask & (kx(kpos) < blocks.T)
     return mask
 
 
@@ -241,13 +242,13 @@ def _masked_or_not(xs, s, body, operand):
     )
 
 
-def _forward(q, k, v, seg, meta: Meta, plan: Plan):
+def _forward(q, k, v, seg, meta: Meta, blocks: SparseBlocks):
     """out [B,T,H,D] (q.dtype) and lse [B,K,nqp,G,bs] (float32, sorted order)."""
     B, T, H, D = q.shape
     K = k.shape[2]
-    G, bs, gq = H // K, plan.bs, plan.gq
-    side, seg_k = _prepare(q, seg, meta, plan, K)
-    kt, vt = _key_blocks(k, plan), _key_blocks(v, plan)
+    G, bs, gq = H // K, blocks.bs, blocks.gq
+    side, seg_k = _prepare(q, seg, meta, blocks, K)
+    kt, vt = _key_blocks(k, blocks), _key_blocks(v, blocks)
 
     def group(_, xs):
         def body(carry, s, masked):
@@ -257,7 +258,7 @@ def _forward(q, k, v, seg, meta: Meta, plan: Plan):
             sc = jnp.einsum("bknmd,bknsd->bknms", xs["q"], kb, precision=_HI)
             sc = sc.reshape(B, K, gq, G, bs, bs)
             if masked:
-                sc = jnp.where(_step_mask(xs, s, seg_k, plan)[:, :, :, None], sc, -jnp.inf)
+                sc = jnp.where(_step_mask(xs, s, seg_k, blocks)[:, :, :, None], sc, -jnp.inf)
             m_new = jnp.maximum(m, sc.max(-1))
             p = jnp.exp(sc - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -281,8 +282,8 @@ def _forward(q, k, v, seg, meta: Meta, plan: Plan):
         return None, (out, lse)
 
     _, (out, lse) = lax.scan(group, None, side)
-    out = _unsort_blocks(_ungroup(out), meta.perm, plan.nb)  # [B, K, nb, G, bs, D]
-    return _from_blocked_q(out, plan.T).astype(q.dtype), _ungroup(lse)
+    out = _unsort_blocks(_ungroup(out), meta.perm, blocks.nb)  # [B, K, nb, G, bs, D]
+    return _from_blocked_q(out, blocks.T).astype(q.dtype), _ungroup(lse)
 
 
 def _from_blocked_q(x_BxKxNxGxBSxD, T):
@@ -290,14 +291,14 @@ def _from_blocked_q(x_BxKxNxGxBSxD, T):
     return x_BxKxNxGxBSxD.transpose(0, 2, 4, 1, 3, 5).reshape(B, nq * bs, K * G, D)[:, :T]
 
 
-def _to_blocked_q(x_BxTxHxD, K, plan: Plan):
+def _to_blocked_q(x_BxTxHxD, K, blocks: SparseBlocks):
     """[B, K, nqp, G, bs, D] float32, zero-padded to nqp whole blocks."""
     B, T, H, D = x_BxTxHxD.shape
-    x = _pad_t(x_BxTxHxD.astype(jnp.float32), plan.nqp * plan.bs)
-    return x.reshape(B, plan.nqp, plan.bs, K, H // K, D).transpose(0, 3, 1, 4, 2, 5)
+    x = _pad_t(x_BxTxHxD.astype(jnp.float32), blocks.nqp * blocks.bs)
+    return x.reshape(B, blocks.nqp, blocks.bs, K, H // K, D).transpose(0, 3, 1, 4, 2, 5)
 
 
-def _backward(plan: Plan, res, do):
+def _backward(blocks: SparseBlocks, res, do):
     """Scores are built transposed, sT [B, K, gq, bs_k, G*bs_q], so that every matmul of the
     step is a plain or right-transposed product (the forms XLA:CPU hands to its fast GEMM;
     a left-transposed one, p^T @ dO, ran ~3x slower per FLOP): dv += pT @ dO, dk += dsT @ q,
@@ -305,15 +306,15 @@ def _backward(plan: Plan, res, do):
     q, k, v, seg, meta, out, lse = res
     B, T, H, D = q.shape
     K = k.shape[2]
-    G, bs, gq = H // K, plan.bs, plan.gq
-    side, seg_k = _prepare(q, seg, meta, plan, K)
-    kt, vt = _key_blocks(k, plan), _key_blocks(v, plan)
+    G, bs, gq = H // K, blocks.bs, blocks.gq
+    side, seg_k = _prepare(q, seg, meta, blocks, K)
+    kt, vt = _key_blocks(k, blocks), _key_blocks(v, blocks)
     ktt = kt.swapaxes(-1, -2)  # [B, K, nb + 1, D, bs]
-    dot = _to_blocked_q(do, K, plan)  # padded rows get a zero cotangent
-    delta = (dot * _to_blocked_q(out, K, plan)).sum(-1)  # rowsum(dO * O): [B,K,nqp,G,bs]
-    side["do"] = _groups(_sort_blocks(dot.reshape(B, K, plan.nqp, G * bs, D), meta.perm), plan)
-    side["delta"] = _groups(_sort_blocks(delta, meta.perm), plan)
-    side["lse"] = _groups(lse, plan)
+    dot = _to_blocked_q(do, K, blocks)  # padded rows get a zero cotangent
+    delta = (dot * _to_blocked_q(out, K, blocks)).sum(-1)  # rowsum(dO * O): [B,K,nqp,G,bs]
+    side["do"] = _groups(_sort_blocks(dot.reshape(B, K, blocks.nqp, G * bs, D), meta.perm), blocks)
+    side["delta"] = _groups(_sort_blocks(delta, meta.perm), blocks)
+    side["lse"] = _groups(lse, blocks)
     b_ix = jnp.arange(B)[:, None, None]
     k_ix = jnp.arange(K)[None, :, None]
 
@@ -326,7 +327,7 @@ def _backward(plan: Plan, res, do):
             st = jnp.einsum("bknsd,bknmd->bknsm", kb, xs["q"], precision=_HI)
             st = st.reshape(B, K, gq, bs, G, bs)
             if masked:
-                mask = _step_mask(xs, s, seg_k, plan, transposed=True)  # [B,K,gq,bs_k,bs_q]
+                mask = _step_mask(xs, s, seg_k, blocks, transposed=True)  # [B,K,gq,bs_k,bs_q]
                 st = jnp.where(mask[:, :, :, :, None], st, -jnp.inf)
             pt = jnp.exp(st - lse_g)  # masked: exp(-inf) == 0 exactly
             dpt = jnp.einsum("bknsd,bknmd->bknsm", vb, xs["do"], precision=_HI)
@@ -350,25 +351,25 @@ def _backward(plan: Plan, res, do):
         dqt, dk, dv = lax.fori_loop(0, xs["trip"], step, (dqt0,) + dkv)
         return (dk, dv), dqt.swapaxes(-1, -2)
 
-    zeros_kv = jnp.zeros((B, K, plan.nb + 1, bs, D), jnp.float32)  # block nb: filler, dropped
+    zeros_kv = jnp.zeros((B, K, blocks.nb + 1, bs, D), jnp.float32)  # block nb: filler, dropped
     (dk, dv), dq = lax.scan(group, (zeros_kv, zeros_kv), side)
 
     def kv_out(x_BxKxNBxBSxD, like):
-        x = x_BxKxNBxBSxD[:, :, : plan.nb].transpose(0, 2, 3, 1, 4).reshape(B, plan.Tp, K, D)
-        return x[:, : plan.T].astype(like.dtype)
+        x = x_BxKxNBxBSxD[:, :, : blocks.nb].transpose(0, 2, 3, 1, 4).reshape(B, blocks.Tp, K, D)
+        return x[:, : blocks.T].astype(like.dtype)
 
-    dq = _unsort_blocks(_ungroup(dq), meta.perm, plan.nb).reshape(B, K, plan.nb, G, bs, D)
-    dq = _from_blocked_q(dq * (1.0 / math.sqrt(D)), plan.T).astype(q.dtype)
+    dq = _unsort_blocks(_ungroup(dq), meta.perm, blocks.nb).reshape(B, K, blocks.nb, G, bs, D)
+    dq = _from_blocked_q(dq * (1.0 / math.sqrt(D)), blocks.T).astype(q.dtype)
     return dq, kv_out(dk, k), kv_out(dv, v), None, None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def _sparse(q, k, v, seg, meta, plan):
-    return _forward(q, k, v, seg, meta, plan)[0]
+def _sparse(q, k, v, seg, meta, blocks):
+    return _forward(q, k, v, seg, meta, blocks)[0]
 
 
-def _sparse_fwd(q, k, v, seg, meta, plan):
-    out, lse = _forward(q, k, v, seg, meta, plan)
+def _sparse_fwd(q, k, v, seg, meta, blocks):
+    out, lse = _forward(q, k, v, seg, meta, blocks)
     return out, (q, k, v, seg, meta, out, lse)
 
 
@@ -382,6 +383,6 @@ def block_sparse_attention_xla(
     blocks per loop step (None: from SCORE_TILE_BYTES; any value gives the same result)."""
     B, T, H, _ = q.shape
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    plan = make_plan(B, T, H, k.shape[2], block_size, group_size)
-    meta = _metadata(block_indices, block_counts, seg, plan)
-    return _sparse(q, k, v, seg, meta, plan)
+    blocks = make_sparse_blocks(B, T, H, k.shape[2], block_size, group_size)
+    meta = _metadata(block_indices, block_counts, seg, blocks)
+    return _sparse(q, k, v, seg, meta, blocks)

@@ -46,7 +46,7 @@ SKIP, FULL, PARTIAL = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan(BlockGrid):
+class FlashTritonBlocks(BlockGrid):
     """The block grid of one call, with the head dim padded for Triton."""
 
     @property
@@ -54,39 +54,41 @@ class Plan(BlockGrid):
         return max(16, _next_pow2(self.D))
 
 
-def make_plan(T: int, D: int, causal: bool, block_q: int, block_k: int, interpret: bool) -> Plan:
+def make_flash_triton_blocks(T: int, D: int, causal: bool, block_q: int, block_k: int,
+                             interpret: bool) -> FlashTritonBlocks:
     """Blocks longer than the sequence are shrunk to the next power of two >= T (>= 16)."""
     cap = max(16, _next_pow2(T))
-    plan = Plan(T, D, min(block_q, cap), min(block_k, cap), bool(causal), bool(interpret))
+    blocks = FlashTritonBlocks(T, D, min(block_q, cap), min(block_k, cap), bool(causal),
+                               bool(interpret))
     if not interpret:
-        for name, b in (("block_q", plan.bq), ("block_k", plan.bk)):
+        for name, b in (("block_q", blocks.bq), ("block_k", blocks.bk)):
             if b & (b - 1) or b < 16:
                 raise ValueError(
                     f"{name}={b} must be a power of two >= 16 for compiled Pallas "
                     f"(got {block_q=}, {block_k=}, T={T})"
                 )
-    return plan
+    return blocks
 
 
 # ----------------------------------------------------------------------------- block tables
 
 
-def _static_reachable(plan: BlockGrid) -> np.ndarray:
-    qi = np.arange(plan.nq)[:, None]
-    ki = np.arange(plan.nk)[None, :]
-    if not plan.causal:
-        return np.ones((plan.nq, plan.nk), dtype=bool)
-    return ki * plan.bk <= (qi + 1) * plan.bq - 1  # first key <= last query
+def _static_reachable(blocks: BlockGrid) -> np.ndarray:
+    qi = np.arange(blocks.nq)[:, None]
+    ki = np.arange(blocks.nk)[None, :]
+    if not blocks.causal:
+        return np.ones((blocks.nq, blocks.nk), dtype=bool)
+    return ki * blocks.bk <= (qi + 1) * blocks.bq - 1  # first key <= last query
 
 
-def _static_full(plan: BlockGrid) -> np.ndarray:
-    qi = np.arange(plan.nq)[:, None]
-    ki = np.arange(plan.nk)[None, :]
-    full = np.ones((plan.nq, plan.nk), dtype=bool)
-    if plan.causal:
-        full &= (ki + 1) * plan.bk - 1 <= qi * plan.bq  # last key <= first query
-    if plan.Tk > plan.T:
-        full &= ki != plan.nk - 1  # holds padded keys
+def _static_full(blocks: BlockGrid) -> np.ndarray:
+    qi = np.arange(blocks.nq)[:, None]
+    ki = np.arange(blocks.nk)[None, :]
+    full = np.ones((blocks.nq, blocks.nk), dtype=bool)
+    if blocks.causal:
+        full &= (ki + 1) * blocks.bk - 1 <= qi * blocks.bq  # last key <= first query
+    if blocks.Tk > blocks.T:
+        full &= ki != blocks.nk - 1  # holds padded keys
     return full
 
 
@@ -116,7 +118,7 @@ def block_summary(seg_BxT, block: int):
     )
 
 
-def block_tables(seg_q_BxTq, seg_k_BxTk, plan: BlockGrid):
+def block_tables(seg_q_BxTq, seg_k_BxTk, blocks: BlockGrid):
     """Per-row block metadata: kinds [B, nq, nk] (SKIP / FULL / PARTIAL), k_range [B, nq, 2]
     (key blocks a query block visits) and q_range [B, nk, 2] (query blocks a key block visits).
 
@@ -124,12 +126,12 @@ def block_tables(seg_q_BxTq, seg_k_BxTk, plan: BlockGrid):
     both blocks hold padding (id 0), which implies no equal ids; conservative for any ids, and
     tight for packed rows (contiguous documents, padding at the end).
     """
-    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in block_summary(seg_q_BxTq, plan.bq))
-    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in block_summary(seg_k_BxTk, plan.bk))
+    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in block_summary(seg_q_BxTq, blocks.bq))
+    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in block_summary(seg_k_BxTk, blocks.bk))
     overlap = (jnp.maximum(qlo, klo) <= jnp.minimum(qhi, khi)) | (q0 & k0)
     uniform = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-    visit = overlap & jnp.asarray(_static_reachable(plan))[None]
-    full = uniform & jnp.asarray(_static_full(plan))[None]
+    visit = overlap & jnp.asarray(_static_reachable(blocks))[None]
+    full = uniform & jnp.asarray(_static_full(blocks))[None]
     kinds = jnp.where(visit, jnp.where(full, FULL, PARTIAL), SKIP).astype(jnp.int32)
     return kinds, _range_of_true(visit), _range_of_true(visit.transpose(0, 2, 1))
 
@@ -137,15 +139,15 @@ def block_tables(seg_q_BxTq, seg_k_BxTk, plan: BlockGrid):
 # ----------------------------------------------------------------------------- kernels
 
 
-def _mask(sq, sk, q_start, k_start, plan: Plan, shape):
+def _mask(sq, sk, q_start, k_start, blocks: FlashTritonBlocks, shape):
     """[bq, bk] bool for one PARTIAL pair: same segment, causal, key not padding."""
     mask = sq[:, None] == sk[None, :]
     kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
-    if plan.causal:
+    if blocks.causal:
         qpos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
         mask = mask & (kpos <= qpos)
-    if plan.Tk > plan.T:
-        mask = mask & (kpos < plan.T)
+    if blocks.Tk > blocks.T:
+        mask = mask & (kpos < blocks.T)
     return mask
 
 
@@ -159,10 +161,10 @@ def _by_kind(kind, skip, update, carry):
 
 
 def _fwd_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
-                *, plan: Plan):
-    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+                *, blocks: FlashTritonBlocks):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     q_start = pl.program_id(2) * bq
-    q = q_ref[...].astype(jnp.float32) * plan.scale  # [bq, Dp]
+    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bq, Dp]
     sq = sq_ref[...]
 
     def update(carry, ki, masked):
@@ -172,7 +174,7 @@ def _fwd_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_re
         v = v_ref[k_slice, :].astype(jnp.float32)
         s = _dot(q, k, _NT)  # [bq, bk]
         if masked:
-            mask = _mask(sq, sk_ref[k_slice], q_start, ki * bk, plan, (bq, bk))
+            mask = _mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk))
             s = jnp.where(mask, s, NEG)
         m_new = jnp.maximum(m, s.max(-1))
         p = jnp.exp(s - m_new[:, None])
@@ -200,10 +202,10 @@ def _fwd_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_re
 
 
 def _dq_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-               delta_ref, dq_ref, *, plan: Plan):
-    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+               delta_ref, dq_ref, *, blocks: FlashTritonBlocks):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     q_start = pl.program_id(2) * bq
-    q = q_ref[...].astype(jnp.float32) * plan.scale
+    q = q_ref[...].astype(jnp.float32) * blocks.scale
     do = do_ref[...].astype(jnp.float32)
     lse = lse_ref[...]
     delta = delta_ref[...]
@@ -215,7 +217,7 @@ def _dq_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_re
         v = v_ref[k_slice, :].astype(jnp.float32)
         p = jnp.exp(_dot(q, k, _NT) - lse[:, None])
         if masked:
-            p = jnp.where(_mask(sq, sk_ref[k_slice], q_start, ki * bk, plan, (bq, bk)), p, 0.0)
+            p = jnp.where(_mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk)), p, 0.0)
         ds = p * (_dot(do, v, _NT) - delta[:, None])
         return dq + _dot(ds, k, _NN)
 
@@ -223,12 +225,12 @@ def _dq_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_re
         return _by_kind(kinds_ref[ki], lambda c: c, functools.partial(update, ki=ki), dq)
 
     dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
-    dq_ref[...] = (dq * plan.scale).astype(dq_ref.dtype)
+    dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref,
-                delta_ref, dk_ref, dv_ref, *, plan: Plan, G: int):
-    bq, bk, Dp = plan.bq, plan.bk, plan.Dp
+                delta_ref, dk_ref, dv_ref, *, blocks: FlashTritonBlocks, G: int):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     k_start = pl.program_id(2) * bk
     k = k_ref[...].astype(jnp.float32)  # [bk, Dp]
     v = v_ref[...].astype(jnp.float32)
@@ -237,11 +239,11 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
     def update(carry, g, qi, masked):
         dk, dv = carry
         q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
-        q = q_ref[g, q_slice, :].astype(jnp.float32) * plan.scale
+        q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
         do = do_ref[g, q_slice, :].astype(jnp.float32)
         p = jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None])  # [bq, bk]
         if masked:
-            p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, plan, (bq, bk)), p, 0.0)
+            p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, blocks, (bq, bk)), p, 0.0)
         dv = dv + _dot(p, do, _TN)
         ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
         dk = dk + _dot(ds, q, _TN)  # q holds the scale
@@ -264,70 +266,71 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _layout(x_BxTxNxD, Tpad, plan: Plan):
+def _layout(x_BxTxNxD, Tpad, blocks: FlashTritonBlocks):
     """[B, T, N, D] -> [B, N, Tpad, Dp] (zero padding), input dtype kept."""
-    return pad_axis(pad_axis(x_BxTxNxD, 1, Tpad), 3, plan.Dp).transpose(0, 2, 1, 3)
+    return pad_axis(pad_axis(x_BxTxNxD, 1, Tpad), 3, blocks.Dp).transpose(0, 2, 1, 3)
 
 
-def _unlayout(x_BxNxTpxDp, plan: Plan, dtype):
-    return x_BxNxTpxDp[:, :, : plan.T, : plan.D].transpose(0, 2, 1, 3).astype(dtype)
+def _unlayout(x_BxNxTpxDp, blocks: FlashTritonBlocks, dtype):
+    return x_BxNxTpxDp[:, :, : blocks.T, : blocks.D].transpose(0, 2, 1, 3).astype(dtype)
 
 
-def _segs(seg, plan: Plan):
-    return pad_axis(seg, 1, plan.Tq, mode="edge"), pad_axis(seg, 1, plan.Tk, mode="edge")
+def _segs(seg, blocks: FlashTritonBlocks):
+    return pad_axis(seg, 1, blocks.Tq, mode="edge"), pad_axis(seg, 1, blocks.Tk, mode="edge")
 
 
-def _forward(q, k, v, seg, plan: Plan):
+def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
-    bq, Dp = plan.bq, plan.Dp
-    seg_q, seg_k = _segs(seg, plan)
-    kinds, k_range, q_range = block_tables(seg_q, seg_k, plan)
-    qt, kt, vt = _layout(q, plan.Tq, plan), _layout(k, plan.Tk, plan), _layout(v, plan.Tk, plan)
+    bq, Dp = blocks.bq, blocks.Dp
+    seg_q, seg_k = _segs(seg, blocks)
+    kinds, k_range, q_range = block_tables(seg_q, seg_k, blocks)
+    qt = _layout(q, blocks.Tq, blocks)
+    kt, vt = _layout(k, blocks.Tk, blocks), _layout(v, blocks.Tk, blocks)
     o, lse = pl.pallas_call(
-        functools.partial(_fwd_kernel, plan=plan),
-        grid=(B, H, plan.nq),
+        functools.partial(_fwd_kernel, blocks=blocks),
+        grid=(B, H, blocks.nq),
         in_specs=[
-            pl.BlockSpec((None, None, plan.nk), lambda b, h, i: (b, i, 0)),  # kinds row
+            pl.BlockSpec((None, None, blocks.nk), lambda b, h, i: (b, i, 0)),  # kinds row
             pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),  # key-block range
             pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),  # seg_q block
-            pl.BlockSpec((None, plan.Tk), lambda b, h, i: (b, 0)),  # seg_k row
+            pl.BlockSpec((None, blocks.Tk), lambda b, h, i: (b, 0)),  # seg_k row
             pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
-            pl.BlockSpec((None, None, plan.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
-            pl.BlockSpec((None, None, plan.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
+            pl.BlockSpec((None, None, blocks.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
+            pl.BlockSpec((None, None, blocks.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
         ],
         out_specs=[
             pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, plan.Tq, Dp), q.dtype),
-            jax.ShapeDtypeStruct((B, H, plan.Tq), jnp.float32),
+            jax.ShapeDtypeStruct((B, H, blocks.Tq, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B, H, blocks.Tq), jnp.float32),
         ],
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="flash_attention_fwd",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
     return o, lse, (kinds, k_range, q_range)
 
 
-def _backward(plan: Plan, res, do):
+def _backward(blocks: FlashTritonBlocks, res, do):
     q, k, v, seg, o, lse, (kinds, k_range, q_range) = res
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
-    bq, bk, Dp, Tq, Tk = plan.bq, plan.bk, plan.Dp, plan.Tq, plan.Tk
-    seg_q, seg_k = _segs(seg, plan)
-    qt, kt, vt = _layout(q, Tq, plan), _layout(k, Tk, plan), _layout(v, Tk, plan)
-    dot = _layout(do, Tq, plan)  # padded rows and columns get a zero cotangent
+    bq, bk, Dp, Tq, Tk = blocks.bq, blocks.bk, blocks.Dp, blocks.Tq, blocks.Tk
+    seg_q, seg_k = _segs(seg, blocks)
+    qt, kt, vt = _layout(q, Tq, blocks), _layout(k, Tk, blocks), _layout(v, Tk, blocks)
+    dot = _layout(do, Tq, blocks)  # padded rows and columns get a zero cotangent
     delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
 
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, plan=plan),
-        grid=(B, H, plan.nq),
+        functools.partial(_dq_kernel, blocks=blocks),
+        grid=(B, H, blocks.nq),
         in_specs=[
-            pl.BlockSpec((None, None, plan.nk), lambda b, h, i: (b, i, 0)),
+            pl.BlockSpec((None, None, blocks.nk), lambda b, h, i: (b, i, 0)),
             pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
             pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
             pl.BlockSpec((None, Tk), lambda b, h, i: (b, 0)),
@@ -340,18 +343,18 @@ def _backward(plan: Plan, res, do):
         ],
         out_specs=pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tq, Dp), q.dtype),
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="flash_attention_dq",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
 
     # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
     grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, plan=plan, G=G),
-        grid=(B, K, plan.nk),
+        functools.partial(_dkv_kernel, blocks=blocks, G=G),
+        grid=(B, K, blocks.nk),
         in_specs=[
-            pl.BlockSpec((None, None, plan.nq), lambda b, h, j: (b, j, 0)),
+            pl.BlockSpec((None, None, blocks.nq), lambda b, h, j: (b, j, 0)),
             pl.BlockSpec((None, None, 2), lambda b, h, j: (b, j, 0)),
             pl.BlockSpec((None, Tq), lambda b, h, j: (b, 0)),
             pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
@@ -370,29 +373,29 @@ def _backward(plan: Plan, res, do):
             jax.ShapeDtypeStruct((B, K, Tk, Dp), k.dtype),
             jax.ShapeDtypeStruct((B, K, Tk, Dp), v.dtype),
         ],
-        interpret=plan.interpret,
-        compiler_params=triton_compiler_params(plan.interpret),
+        interpret=blocks.interpret,
+        compiler_params=triton_compiler_params(blocks.interpret),
         name="flash_attention_dkv",
     )(
         kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,
         grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta),
     )
     return (
-        _unlayout(dq, plan, q.dtype),
-        _unlayout(dk, plan, k.dtype),
-        _unlayout(dv, plan, v.dtype),
+        _unlayout(dq, blocks, q.dtype),
+        _unlayout(dk, blocks, k.dtype),
+        _unlayout(dv, blocks, v.dtype),
         None,
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, plan):
-    return _unlayout(_forward(q, k, v, seg, plan)[0], plan, q.dtype)
+def _flash(q, k, v, seg, blocks):
+    return _unlayout(_forward(q, k, v, seg, blocks)[0], blocks, q.dtype)
 
 
-def _flash_fwd(q, k, v, seg, plan):
-    o, lse, tables = _forward(q, k, v, seg, plan)
-    return _unlayout(o, plan, q.dtype), (q, k, v, seg, o, lse, tables)
+def _flash_fwd(q, k, v, seg, blocks):
+    o, lse, tables = _forward(q, k, v, seg, blocks)
+    return _unlayout(o, blocks, q.dtype), (q, k, v, seg, o, lse, tables)
 
 
 _flash.defvjp(_flash_fwd, _backward)
@@ -410,4 +413,4 @@ def flash_attention_pallas(
         seg = jnp.ones((B, T), jnp.int32)
     else:
         seg = segment_ids.astype(jnp.int32)
-    return _flash(q, k, v, seg, make_plan(T, D, causal, block_q, block_k, interpret))
+    return _flash(q, k, v, seg, make_flash_triton_blocks(T, D, causal, block_q, block_k, interpret))

@@ -46,7 +46,7 @@ SKIP, FULL, PARTIAL = 0, 1, 2
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class FlashBlocks:
     """Static blocking of one call: the sequence length and its padded block grid."""
 
     T: int
@@ -83,33 +83,33 @@ class Plan:
         return (ki * self.bk) // self.bq
 
 
-def make_plan(T: int, causal: bool, block_q: int, block_k: int) -> Plan:
+def make_flash_blocks(T: int, causal: bool, block_q: int, block_k: int) -> FlashBlocks:
     # A block longer than the sequence would only add padding.
-    return Plan(T=T, bq=min(block_q, T), bk=min(block_k, T), causal=causal)
+    return FlashBlocks(T=T, bq=min(block_q, T), bk=min(block_k, T), causal=causal)
 
 
-def _static_reachable(plan: Plan) -> np.ndarray:
+def _static_reachable(blocks: FlashBlocks) -> np.ndarray:
     """[nq, nk] bool: the pair is inside the loop bounds (causal: not above the diagonal)."""
-    qi = np.arange(plan.nq)[:, None]
-    ki = np.arange(plan.nk)[None, :]
-    if not plan.causal:
-        return np.ones((plan.nq, plan.nk), dtype=bool)
-    return ki * plan.bk <= (qi + 1) * plan.bq - 1  # first key <= last query
+    qi = np.arange(blocks.nq)[:, None]
+    ki = np.arange(blocks.nk)[None, :]
+    if not blocks.causal:
+        return np.ones((blocks.nq, blocks.nk), dtype=bool)
+    return ki * blocks.bk <= (qi + 1) * blocks.bq - 1  # first key <= last query
 
 
-def _static_full(plan: Plan) -> np.ndarray:
+def _static_full(blocks: FlashBlocks) -> np.ndarray:
     """[nq, nk] bool: the pair needs no position mask (causal / key padding)."""
-    qi = np.arange(plan.nq)[:, None]
-    ki = np.arange(plan.nk)[None, :]
-    full = np.ones((plan.nq, plan.nk), dtype=bool)
-    if plan.causal:
-        full &= (ki + 1) * plan.bk - 1 <= qi * plan.bq  # last key <= first query
-    if plan.Tk > plan.T:
-        full &= ki != plan.nk - 1  # holds padded keys
+    qi = np.arange(blocks.nq)[:, None]
+    ki = np.arange(blocks.nk)[None, :]
+    full = np.ones((blocks.nq, blocks.nk), dtype=bool)
+    if blocks.causal:
+        full &= (ki + 1) * blocks.bk - 1 <= qi * blocks.bq  # last key <= first query
+    if blocks.Tk > blocks.T:
+        full &= ki != blocks.nk - 1  # holds padded keys
     return full
 
 
-def block_kinds(seg_q_BxTq, seg_k_BxTk, plan: Plan) -> jax.Array:
+def block_kinds(seg_q_BxTq, seg_k_BxTk, blocks: FlashBlocks) -> jax.Array:
     """[nq, nk] int32 table of SKIP / FULL / PARTIAL from per-block segment-id summaries.
 
     Conservative by construction: a pair is SKIP only if, for every row, the ranges of nonzero
@@ -132,24 +132,24 @@ def block_kinds(seg_q_BxTq, seg_k_BxTk, plan: Plan) -> jax.Array:
             s.max(-1),
         )
 
-    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in summary(seg_q_BxTq, plan.nq, plan.bq))
-    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in summary(seg_k_BxTk, plan.nk, plan.bk))
+    qlo, qhi, q0, qmin, qmax = (x[:, :, None] for x in summary(seg_q_BxTq, blocks.nq, blocks.bq))
+    klo, khi, k0, kmin, kmax = (x[:, None, :] for x in summary(seg_k_BxTk, blocks.nk, blocks.bk))
     overlap = (jnp.maximum(qlo, klo) <= jnp.minimum(qhi, khi)) | (q0 & k0)
     uniform = (qmin == qmax) & (kmin == kmax) & (qmin == kmin)
-    any_allowed = overlap.any(0) & jnp.asarray(_static_reachable(plan))
-    all_allowed = uniform.all(0) & jnp.asarray(_static_full(plan))
+    any_allowed = overlap.any(0) & jnp.asarray(_static_reachable(blocks))
+    all_allowed = uniform.all(0) & jnp.asarray(_static_full(blocks))
     return jnp.where(any_allowed, jnp.where(all_allowed, FULL, PARTIAL), SKIP).astype(jnp.int32)
 
 
-def _pair_mask(seg_qb, seg_kb, qi, ki, plan: Plan):
+def _pair_mask(seg_qb, seg_kb, qi, ki, blocks: FlashBlocks):
     """[B, 1, 1, bq, bk] bool mask of one pair (segments, causal, key padding)."""
     mask = seg_qb[:, :, None] == seg_kb[:, None, :]
-    kpos = ki * plan.bk + lax.broadcasted_iota(jnp.int32, (plan.bq, plan.bk), 1)
-    if plan.causal:
-        qpos = qi * plan.bq + lax.broadcasted_iota(jnp.int32, (plan.bq, plan.bk), 0)
+    kpos = ki * blocks.bk + lax.broadcasted_iota(jnp.int32, (blocks.bq, blocks.bk), 1)
+    if blocks.causal:
+        qpos = qi * blocks.bq + lax.broadcasted_iota(jnp.int32, (blocks.bq, blocks.bk), 0)
         mask = mask & (kpos <= qpos)[None]
-    if plan.Tk > plan.T:
-        mask = mask & (kpos < plan.T)[None]
+    if blocks.Tk > blocks.T:
+        mask = mask & (kpos < blocks.T)[None]
     return mask[:, None, None]
 
 
@@ -157,18 +157,18 @@ def _pad_t(x, n, axis=1, mode="constant", value=0):
     return pad_axis(x, axis, n, mode, value)
 
 
-def _prepare(q, k, v, seg, plan: Plan):
+def _prepare(q, k, v, seg, blocks: FlashBlocks):
     """Float32 blocked layouts: q scaled [B,K,G,Tq,D], k/v [B,K,Tk,D], seg_q [B,Tq], seg_k."""
     B, T, H, D = q.shape
     K = k.shape[2]
     G = H // K
     scale = 1.0 / math.sqrt(D)
-    qt = (_pad_t(q.astype(jnp.float32), plan.Tq) * scale).reshape(B, plan.Tq, K, G, D)
+    qt = (_pad_t(q.astype(jnp.float32), blocks.Tq) * scale).reshape(B, blocks.Tq, K, G, D)
     qt = qt.transpose(0, 2, 3, 1, 4)
-    kt = _pad_t(k.astype(jnp.float32), plan.Tk).transpose(0, 2, 1, 3)
-    vt = _pad_t(v.astype(jnp.float32), plan.Tk).transpose(0, 2, 1, 3)
-    seg_q = _pad_t(seg, plan.Tq, mode="edge")
-    seg_k = _pad_t(seg, plan.Tk, mode="edge")
+    kt = _pad_t(k.astype(jnp.float32), blocks.Tk).transpose(0, 2, 1, 3)
+    vt = _pad_t(v.astype(jnp.float32), blocks.Tk).transpose(0, 2, 1, 3)
+    seg_q = _pad_t(seg, blocks.Tq, mode="edge")
+    seg_k = _pad_t(seg, blocks.Tk, mode="edge")
     return qt, kt, vt, seg_q, seg_k
 
 
@@ -183,12 +183,12 @@ def _to_blocked_q(x_BxTxHxD, K, Tq):
     return x.transpose(0, 2, 3, 1, 4)
 
 
-def _forward(q, k, v, seg, plan: Plan):
+def _forward(q, k, v, seg, blocks: FlashBlocks):
     """Returns out [B,T,H,D] (q.dtype), lse [B,K,G,Tq] (float32) and the block kinds."""
-    qt, kt, vt, seg_q, seg_k = _prepare(q, k, v, seg, plan)
-    kinds = block_kinds(seg_q, seg_k, plan)
+    qt, kt, vt, seg_q, seg_k = _prepare(q, k, v, seg, blocks)
+    kinds = block_kinds(seg_q, seg_k, blocks)
     B, K, G, _, D = qt.shape
-    bq, bk = plan.bq, plan.bk
+    bq, bk = blocks.bq, blocks.bk
 
     def q_block(_, qi):
         qb = lax.dynamic_slice_in_dim(qt, qi * bq, bq, axis=3)
@@ -201,7 +201,7 @@ def _forward(q, k, v, seg, plan: Plan):
             s = jnp.einsum("bkgqd,bksd->bkgqs", qb, kb, precision=_HI)
             if masked:
                 skb = lax.dynamic_slice_in_dim(seg_k, ki * bk, bk, axis=1)
-                s = jnp.where(_pair_mask(sqb, skb, qi, ki, plan), s, NEG)
+                s = jnp.where(_pair_mask(sqb, skb, qi, ki, blocks), s, NEG)
             m_new = jnp.maximum(m, s.max(-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -225,24 +225,24 @@ def _forward(q, k, v, seg, plan: Plan):
             jnp.zeros((B, K, G, bq), jnp.float32),
             jnp.zeros((B, K, G, bq, D), jnp.float32),
         )
-        m, l, acc = lax.fori_loop(0, plan.k_end(qi), k_step, init)
+        m, l, acc = lax.fori_loop(0, blocks.k_end(qi), k_step, init)
         l = jnp.where(l == 0.0, 1.0, l)  # unreachable for real rows; keeps lse finite anyway
         return None, (acc / l[..., None], m + jnp.log(l))
 
-    _, (out_blocks, lse_blocks) = lax.scan(q_block, None, jnp.arange(plan.nq))
+    _, (out_blocks, lse_blocks) = lax.scan(q_block, None, jnp.arange(blocks.nq))
     # [nq, B, K, G, bq, ...] -> [B, K, G, Tq, ...]
-    out = out_blocks.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, plan.Tq, D)
-    lse = lse_blocks.transpose(1, 2, 3, 0, 4).reshape(B, K, G, plan.Tq)
-    return _from_blocked_q(out, plan.T).astype(q.dtype), lse, kinds
+    out = out_blocks.transpose(1, 2, 3, 0, 4, 5).reshape(B, K, G, blocks.Tq, D)
+    lse = lse_blocks.transpose(1, 2, 3, 0, 4).reshape(B, K, G, blocks.Tq)
+    return _from_blocked_q(out, blocks.T).astype(q.dtype), lse, kinds
 
 
-def _backward(plan: Plan, res, do):
+def _backward(blocks: FlashBlocks, res, do):
     q, k, v, seg, out, lse, kinds = res
-    qt, kt, vt, seg_q, seg_k = _prepare(q, k, v, seg, plan)
+    qt, kt, vt, seg_q, seg_k = _prepare(q, k, v, seg, blocks)
     B, K, G, _, D = qt.shape
-    bq, bk = plan.bq, plan.bk
-    dot = _to_blocked_q(do, K, plan.Tq)  # padded rows get a zero cotangent
-    delta = (dot * _to_blocked_q(out, K, plan.Tq)).sum(-1)  # rowsum(dO * O): [B,K,G,Tq]
+    bq, bk = blocks.bq, blocks.bk
+    dot = _to_blocked_q(do, K, blocks.Tq)  # padded rows get a zero cotangent
+    delta = (dot * _to_blocked_q(out, K, blocks.Tq)).sum(-1)  # rowsum(dO * O): [B,K,G,Tq]
 
     def k_block(dq, ki):
         kb = lax.dynamic_slice_in_dim(kt, ki * bk, bk, axis=2)
@@ -258,7 +258,7 @@ def _backward(plan: Plan, res, do):
             s = jnp.einsum("bkgqd,bksd->bkgqs", qb, kb, precision=_HI)
             if masked:
                 sqb = lax.dynamic_slice_in_dim(seg_q, qi * bq, bq, axis=1)
-                s = jnp.where(_pair_mask(sqb, skb, qi, ki, plan), s, NEG)
+                s = jnp.where(_pair_mask(sqb, skb, qi, ki, blocks), s, NEG)
             p = jnp.exp(s - lse_b[..., None])  # masked: exp(NEG - lse) == 0 exactly
             dv = dv + jnp.einsum("bkgqs,bkgqd->bksd", p, dob, precision=_HI)
             dp = jnp.einsum("bkgqd,bksd->bkgqs", dob, vb, precision=_HI)
@@ -287,27 +287,28 @@ def _backward(plan: Plan, res, do):
             return dq, dkv
 
         zeros_kv = jnp.zeros((B, K, bk, D), jnp.float32)
-        dq, (dk, dv) = lax.fori_loop(plan.q_start(ki), plan.nq, q_step, (dq, (zeros_kv, zeros_kv)))
+        dq, (dk, dv) = lax.fori_loop(blocks.q_start(ki), blocks.nq, q_step,
+                                     (dq, (zeros_kv, zeros_kv)))
         return dq, (dk, dv)
 
-    dq0 = jnp.zeros((B, K, G, plan.Tq, D), jnp.float32)
-    dq, (dk_blocks, dv_blocks) = lax.scan(k_block, dq0, jnp.arange(plan.nk))
+    dq0 = jnp.zeros((B, K, G, blocks.Tq, D), jnp.float32)
+    dq, (dk_blocks, dv_blocks) = lax.scan(k_block, dq0, jnp.arange(blocks.nk))
 
     def kv_out(x_nkxBxKxbkxD, like):
-        x = x_nkxBxKxbkxD.transpose(1, 0, 3, 2, 4).reshape(B, plan.Tk, K, D)
-        return x[:, : plan.T].astype(like.dtype)
+        x = x_nkxBxKxbkxD.transpose(1, 0, 3, 2, 4).reshape(B, blocks.Tk, K, D)
+        return x[:, : blocks.T].astype(like.dtype)
 
-    dq = (_from_blocked_q(dq, plan.T) * (1.0 / math.sqrt(D))).astype(q.dtype)
+    dq = (_from_blocked_q(dq, blocks.T) * (1.0 / math.sqrt(D))).astype(q.dtype)
     return dq, kv_out(dk_blocks, k), kv_out(dv_blocks, v), None
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, plan):
-    return _forward(q, k, v, seg, plan)[0]
+def _flash(q, k, v, seg, blocks):
+    return _forward(q, k, v, seg, blocks)[0]
 
 
-def _flash_fwd(q, k, v, seg, plan):
-    out, lse, kinds = _forward(q, k, v, seg, plan)
+def _flash_fwd(q, k, v, seg, blocks):
+    out, lse, kinds = _forward(q, k, v, seg, blocks)
     return out, (q, k, v, seg, out, lse, kinds)
 
 
@@ -321,4 +322,4 @@ def flash_attention_xla(q, k, v, segment_ids, causal: bool, block_q: int, block_
         seg = jnp.ones((B, T), jnp.int32)
     else:
         seg = segment_ids.astype(jnp.int32)
-    return _flash(q, k, v, seg, make_plan(T, causal, block_q, block_k))
+    return _flash(q, k, v, seg, make_flash_blocks(T, causal, block_q, block_k))

@@ -1,0 +1,162 @@
+"""Per-step planning for the training loop: batch -> sequences -> Plan -> admitted template.
+
+`StepPlanner.plan(batch)` cuts the data iterator's packed rows back into sequences, asks the
+configured planner (`parallel.planner`, on the cost model `parallel.preset`) for a Plan and
+times it. It is pure host work (numpy / python-mip), so the trainer runs it for step t+1 in a
+background thread while step t runs.
+
+`admit(plan)` then decides which compiled program runs it (main thread, it owns the compile
+cache), keeping the number of programs at most `parallel.max_programs`:
+  1. a template already compiled runs as is;
+  2. while there is room (one slot is kept for the fallback), a new template is compiled;
+  3. otherwise the plan is *widened* into a compiled template with the same groups and
+     micro-batch count and buffers at least as large (only padding changes);
+  4. otherwise the step runs the fallback plan — every sequence sharded over one group of all
+     devices in one micro-batch — itself widened into the fallback program compiled earlier.
+Planners are told what the executor runs (`jaxsb.plan.Runnable`), so every plan they return is
+executable; the fallback is only for the program bound. Every decision is counted and logged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Sequence
+
+import numpy as np
+
+from jaxsb.config import Config, ModelConfig
+from jaxsb.data import Batch
+from jaxsb.plan.layout import SeqData, sequences_from_rows
+from jaxsb.plan import GroupSpec, Plan, Runnable, Template, build_plan
+from jaxsb.planner.base import SolveInfo
+
+
+@dataclasses.dataclass
+class PlannedBatch:
+    batch: Batch
+    seqs: list[SeqData]
+    plan: Plan
+    solve_s: float
+    info: SolveInfo
+    data_state: dict | None = None  # the iterator's state right after this batch was drawn
+
+
+SHIPPED_PRESETS = {  # calibrated on this project's CPU machine by `python -m jaxsb.calibrate`
+    "cpu": os.path.join(os.path.dirname(os.path.dirname(__file__)), "planner", "presets", "cpu.json"),
+}
+
+
+def load_cost_model(preset: str, num_devices: int, max_len: int):
+    """`parallel.preset`: a shipped calibrated preset ("cpu"), a calibrated JSON path, or a
+    published profile (jaxsb.planner.cost.load_preset)."""
+    from jaxsb.planner.cost import load_preset
+
+    path = SHIPPED_PRESETS.get(preset, preset)
+    if path.endswith(".json"):
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"parallel.preset={preset!r}: no calibrated preset at {path} "
+                                    "(make one with `python -m jaxsb.calibrate --out PATH`)")
+        return load_preset(path)
+    return load_preset(preset, num_devices=num_devices, max_len=max_len)
+
+
+class StepPlanner:
+    """The configured planner applied to each step's sequences."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, num_devices: int):
+        from jaxsb.planner.registry import make_planner, planner_options
+
+        self.cfg, self.model_cfg, self.num_devices = cfg, model_cfg, num_devices
+        self.runnable = Runnable.for_model(model_cfg)
+        self.align = self.runnable.align
+        self.cost = load_cost_model(cfg.parallel.preset, num_devices, cfg.data.max_len)
+        p = cfg.parallel
+        self.scheme = p.scheme
+        options = planner_options(p.planner, num_devices, time_limit_s=p.plan_time_limit_s, scheme=p.scheme,
+                                  degree=p.sp_degree or num_devices, cp=p.cp or num_devices,
+                                  runnable=self.runnable)
+        self.planner = make_planner(p.planner, self.cost, num_devices, **options)
+
+    def plan(self, batch: Batch) -> PlannedBatch:
+        seqs = sequences_from_rows(batch.tokens, batch.targets, batch.loss_mask, batch.segment_ids,
+                                   batch.positions)
+        lengths = [len(s) for s in seqs]
+        budgets = [self.model_cfg.sparse.top_k] * len(seqs)
+        t0 = time.perf_counter()
+        solution = self.planner.solve(lengths, budgets)
+        solve_s = time.perf_counter() - t0
+        return PlannedBatch(batch, seqs, solution.plan, solve_s, solution.info)
+
+    def fallback(self, plan: Plan) -> Plan:
+        """Every sequence sharded over one ring of all devices, one micro-batch: any lengths fit
+        and the zigzag layout keeps it balanced (dense and block-sparse alike)."""
+        n, N = len(plan.lengths), self.num_devices
+        return build_plan(N, [[GroupSpec(N, "ring", tuple(range(n)))]], plan.lengths,
+                          budgets=plan.budgets, align=self.align, planner="fallback")
+
+
+def widen(plan: Plan, templates: Sequence[Template]) -> Plan | None:
+    """The plan moved onto the smallest compiled template with the same groups and buffers at
+    least as large, or None."""
+    best = None
+    for t in templates:
+        if t.num_devices != plan.template.num_devices or len(t.microbatches) != len(plan.template.microbatches):
+            continue
+        if all(a.groups == b.groups and a.shard_len >= b.shard_len and a.local_len >= b.local_len
+               for a, b in zip(t.microbatches, plan.template.microbatches)):
+            size = sum(mb.tokens_per_device for mb in t.microbatches)
+            if best is None or size < best[0]:
+                best = (size, t)
+    return None if best is None else dataclasses.replace(plan, template=best[1])
+
+
+@dataclasses.dataclass
+class Admission:
+    plan: Plan
+    how: str  # compiled | new | widened | fallback | fallback-new | over-bound
+
+
+class ProgramBudget:
+    """Chooses, per step, the program that runs the plan (module docstring, steps 1-4)."""
+
+    def __init__(self, max_programs: int):
+        self.max_programs = max_programs
+        self.templates: list[Template] = []
+        self.counts: dict[str, int] = {}
+
+    def admit(self, plan: Plan, fallback) -> Admission:
+        adm = self._choose(plan, fallback)
+        if adm.plan.template not in self.templates:
+            self.templates.append(adm.plan.template)
+        self.counts[adm.how] = self.counts.get(adm.how, 0) + 1
+        return adm
+
+    def _choose(self, plan: Plan, fallback) -> Admission:
+        if plan.template in self.templates:
+            return Admission(plan, "compiled")
+        if len(self.templates) < self.max_programs - 1:
+            return Admission(plan, "new")
+        widened = widen(plan, self.templates)
+        if widened is not None:
+            return Admission(widened, "widened")
+        fb = fallback(plan)
+        if fb.template in self.templates:
+            return Admission(fb, "fallback")
+        widened = widen(fb, self.templates)
+        if widened is not None:
+            return Admission(widened, "fallback")
+        return Admission(fb, "fallback-new" if len(self.templates) < self.max_programs else "over-bound")
+
+
+def load_balance(plan: Plan, cost) -> tuple[float, float]:
+    """(max, mean) modelled busy ms per device over the step."""
+    from jaxsb.parallel.executor import device_loads
+
+    def group_ms(group, sharded, local):
+        scheme = "ulysses" if group.degree == 1 else group.scheme  # degree 1: no communication
+        return cost.group_time_ms(group.degree, sharded, local, scheme=scheme)
+
+    loads = device_loads(plan, group_ms)
+    return float(np.max(loads)), float(np.mean(loads))

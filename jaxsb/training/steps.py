@@ -1,0 +1,193 @@
+"""How each step's program and arguments are prepared: packed rows (`RowSteps`) or a plan
+(`PlannedSteps`: the planner for step t+1 runs in a background thread while step t runs), each
+with its compile cache (one program per batch shape / per plan template)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from jaxsb import mesh as mesh_lib
+from jaxsb.config import Config, ModelConfig
+from jaxsb.data import Batch, DataError, DataIterator
+from jaxsb.devices import forget, global_array, process_index, share_from_main
+from jaxsb.plan import Template
+from jaxsb.programs import ProgramCache
+from jaxsb.training.step import make_planned_train_step, make_train_step
+
+BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
+
+
+class PlanCompiler(ProgramCache):
+    """Compiles the planned train step ahead of time, once per plan template, and counts programs."""
+
+    def __init__(self, graphdef, rest, tx, model_cfg: ModelConfig, mesh: Mesh, state_shardings):
+        super().__init__()
+        self._args = (graphdef, rest, tx, model_cfg, mesh)
+        self._state_shardings = state_shardings
+
+    def get(self, template: Template, state, mb_arrays, num_targets) -> tuple[Any, bool]:
+        def make_jitted():
+            step = make_planned_train_step(*self._args, template)
+            return jax.jit(step, donate_argnums=(0,), out_shardings=(self._state_shardings, None))
+
+        return self.get_or_compile(template, make_jitted, state, mb_arrays, num_targets)
+
+
+class StepCompiler(ProgramCache):
+    """Compiles the train step once per batch shape (ahead of time) and counts programs."""
+
+    def __init__(self, step_fn, state_shardings):
+        super().__init__()
+        self._jitted = jax.jit(step_fn, donate_argnums=(0,), out_shardings=(state_shardings, None))
+
+    def get(self, state, batch_arrays) -> tuple[Any, bool]:
+        key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch_arrays.items()))
+        return self.get_or_compile(key, lambda: self._jitted, state, batch_arrays)
+
+
+def batch_to_device(batch: Batch, sharding) -> dict[str, jax.Array]:
+    return {name: global_array(np.asarray(getattr(batch, name)), sharding) for name in BATCH_FIELDS}
+
+
+def batch_digest(batch: Batch) -> str:
+    """A fingerprint of a step's data, to check that every process drew the same batch."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name in BATCH_FIELDS:
+        h.update(np.ascontiguousarray(getattr(batch, name)).tobytes())
+    return h.hexdigest()
+
+
+@dataclasses.dataclass
+class PreparedStep:
+    """One step ready to dispatch: the compiled program, its arguments and what to log."""
+
+    batch: Batch
+    compiled: Any
+    args: tuple
+    is_new: bool
+    compile_s: float
+    data_state: dict
+    record: dict  # extra metrics (the plan's summary, solve time, ...)
+
+
+class RowSteps:
+    """parallel.planner=none: packed rows split over the devices (plain data parallelism)."""
+
+    def __init__(self, data: DataIterator, state_shardings, graphdef, rest, tx, mesh):
+        self.data = data
+        self.sharding = mesh_lib.batch_sharding(mesh)
+        self.compiler = StepCompiler(make_train_step(graphdef, rest, tx), state_shardings)
+
+    def prepare(self, state, more: bool = True) -> PreparedStep:
+        batch = self.data.next()
+        arrays = batch_to_device(batch, self.sharding)
+        c0 = self.compiler.compile_seconds
+        compiled, is_new = self.compiler.get(state, arrays)
+        return PreparedStep(batch, compiled, (arrays,), is_new, self.compiler.compile_seconds - c0,
+                            self.data.state(), {})
+
+    def close(self) -> None:
+        pass
+
+
+class PlannedSteps:
+    """A planner lays each step's sequences out over the devices (jaxsb/training/planning.py);
+    the plan for step t+1 is made in a background thread while step t runs.
+
+    With several processes, every process draws the same batch but only process 0 plans (a
+    time-limited solver need not give the same plan twice); the others receive its plan."""
+
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, data: DataIterator, state_shardings, graphdef,
+                 rest, tx, mesh, log):
+        from concurrent.futures import ThreadPoolExecutor
+
+        from jaxsb.training.planning import ProgramBudget, StepPlanner
+
+        self.data, self.mesh, self.model_cfg, self.log = data, mesh, model_cfg, log
+        self.planner = StepPlanner(cfg, model_cfg, mesh.devices.size)
+        self.budget = ProgramBudget(cfg.parallel.max_programs)
+        self.compiler = PlanCompiler(graphdef, rest, tx, model_cfg, mesh, state_shardings)
+        self.pool = ThreadPoolExecutor(1) if cfg.parallel.background_planning else None
+        self.pending = None
+        self.drawn = 0  # batches drawn: the same count on every process
+
+    def _draw_and_plan(self):
+        batch = self.data.next()
+        data_state = self.data.state()
+        self.drawn += 1
+        planned = self.planner.plan(batch) if jax.process_count() == 1 else self._shared_plan(batch, self.drawn)
+        planned.data_state = data_state
+        return planned
+
+    def _shared_plan(self, batch: Batch, n: int):
+        from jaxsb.plan.layout import sequences_from_rows
+        from jaxsb.training.planning import PlannedBatch
+
+        digest, mine = batch_digest(batch), {}
+
+        def plan_on_main():
+            mine["planned"] = self.planner.plan(batch)
+            p = mine["planned"]
+            return digest, p.plan, p.solve_s, p.info
+
+        key = f"jaxsb/plan/{n}"
+        main_digest, plan, solve_s, info = share_from_main(key, plan_on_main)
+        # Process 0 has the results of the launch's step n-3 by now: every process took part
+        # in it, so every process has read plan n-3.
+        if n > 3:
+            forget(f"jaxsb/plan/{n - 3}")
+        if main_digest != digest:
+            raise DataError(f"process {process_index()} drew a different batch than process 0 for step "
+                            f"{n} of this launch: every process must read the same data (same files, same "
+                            "data.* and tokenizer settings)")
+        if "planned" in mine:
+            return mine["planned"]
+        seqs = sequences_from_rows(batch.tokens, batch.targets, batch.loss_mask, batch.segment_ids,
+                                   batch.positions)
+        return PlannedBatch(batch, seqs, plan, solve_s, info)
+
+    def prepare(self, state, more: bool = True) -> PreparedStep:
+        """`more`: another step follows (so its plan is started in the background)."""
+        from jaxsb.parallel.executor import layout_plan
+        from jaxsb.training.planning import load_balance
+
+        t0 = time.perf_counter()
+        planned = self.pending.result() if self.pending is not None else self._draw_and_plan()
+        wait_s = time.perf_counter() - t0
+        if self.pool is not None and more:  # plan the next step while this one runs
+            self.pending = self.pool.submit(self._draw_and_plan)
+        adm = self.budget.admit(planned.plan, self.planner.fallback)
+        if adm.how == "over-bound":
+            self.log(f"warning: plan {adm.plan.summary()} needs a program beyond parallel.max_programs="
+                     f"{self.budget.max_programs}")
+        plan = adm.plan
+        arrays = layout_plan(plan, planned.seqs, self.model_cfg, self.mesh)
+        num_targets = jnp.asarray(float(planned.batch.num_targets), jnp.float32)
+        c0 = self.compiler.compile_seconds
+        compiled, is_new = self.compiler.get(plan.template, state, arrays, num_targets)
+        load_max, load_mean = load_balance(plan, self.planner.cost)
+        record = {
+            "plan": plan.summary(), "planner": plan.planner or self.planner.cfg.parallel.planner,
+            "plan_admission": adm.how, "microbatches": len(plan.template.microbatches),
+            "tokens_per_device": [mb.tokens_per_device for mb in plan.template.microbatches],
+            "predicted_step_ms": None if plan.predicted_ms != plan.predicted_ms else plan.predicted_ms,
+            "load_max_ms": load_max, "load_mean_ms": load_mean,
+            "load_imbalance": load_max / load_mean if load_mean > 0 else 1.0,
+            "plan_solve_s": planned.solve_s, "plan_wait_s": wait_s,
+            "plan_fell_back": planned.info.fell_back,
+        }
+        return PreparedStep(planned.batch, compiled, (arrays, num_targets), is_new,
+                            self.compiler.compile_seconds - c0, planned.data_state, record)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown(wait=True, cancel_futures=True)

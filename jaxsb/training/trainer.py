@@ -1,0 +1,172 @@
+"""The training loop: workdir, state (training/state.py), the step source (rows or planned,
+training/steps.py), asynchronous dispatch, metrics, checkpoints, resume.
+
+State is a plain pytree `{"params", "opt_state", "step", "rng"}`; the NNX graph definition
+is static and closed over by the step function. The loss is the mean over every target token
+of the global batch, whatever the packing.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Callable
+
+import jax
+
+from jaxsb import mesh as mesh_lib
+from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
+from jaxsb.config import Config, ConfigError
+from jaxsb.data import DataIterator
+from jaxsb.devices import is_main_process, share_from_main
+from jaxsb.training.metrics import MetricsWriter, Progress, peak_flops_per_device, useful_train_flops
+from jaxsb.training.optim import learning_rate_schedule
+from jaxsb.training.state import build_model_fns, load_model_and_tokenizer
+from jaxsb.training.steps import PlannedSteps, PreparedStep, RowSteps
+from jaxsb.training.workdir import prepare_workdir
+
+
+@dataclasses.dataclass
+class RunResult:
+    workdir: str
+    first_step: int
+    last_step: int
+    final_loss: float | None
+    tokens: int
+    seconds: float
+    compiles: int
+    data_summary: str
+
+
+# --------------------------------------------------------------------------- the loop
+
+
+class _NoMetrics:
+    """Processes other than 0 write no metrics.jsonl (process 0 records the shared step)."""
+
+    def write(self, record: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
+    """Runs (or resumes) the configured training. With several processes (parallel.coordinator)
+    every process calls this; process 0 alone writes the workdir's files and logs."""
+    main = is_main_process()
+    if not main:
+        log = lambda _message: None  # noqa: E731
+    if jax.process_count() > 1 and cfg.parallel.devices not in (0, jax.device_count()):
+        raise ConfigError(f"parallel.devices={cfg.parallel.devices}: a run of {jax.process_count()} processes "
+                          f"uses all {jax.device_count()} devices (set 0)")
+    # Process 0 checks and writes the workdir (its default name has a timestamp); all use it.
+    workdir = share_from_main("jaxsb/workdir", lambda: prepare_workdir(cfg)[1])
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=workdir))
+    mesh = mesh_lib.make_mesh(cfg.parallel.devices)
+    num_devices = mesh.devices.size
+    model_cfg, tokenizer, pretrained = load_model_and_tokenizer(cfg, workdir)
+    graphdef, rest, tx, state, shardings = build_model_fns(model_cfg, cfg.train, mesh, cfg.parallel.fsdp, pretrained)
+    num_rows = num_devices * cfg.data.rows_per_device
+    data = DataIterator(cfg.data, tokenizer, num_rows)
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+
+    start = 0
+    latest = ckpt.latest_step()
+    if latest is not None:
+        state, meta = ckpt.restore(latest, abstract_with_shardings(state, shardings))
+        data.restore(meta["data"])
+        start = latest
+        log(f"resumed from {ckpt.directory} at step {start}")
+    n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
+    processes = f" on {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    log(f"jaxsb: {n_params / 1e6:.2f}M parameters, {num_devices} {jax.devices()[0].platform} devices{processes}, "
+        f"{num_rows} rows per step, tokenizer vocab {tokenizer.vocab_size}, planner {cfg.parallel.planner}, "
+        f"workdir {workdir}")
+
+    if cfg.parallel.planner == "none":
+        steps = RowSteps(data, shardings, graphdef, rest, tx, mesh)
+    else:
+        steps = PlannedSteps(cfg, model_cfg, data, shardings, graphdef, rest, tx, mesh, log)
+    compiler = steps.compiler
+    schedule = learning_rate_schedule(cfg.train)
+    peak, peak_source = peak_flops_per_device()
+    writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_from_step=start) if main else _NoMetrics()
+    progress = Progress(cfg.train.steps, start, cfg.train.progress and main)
+
+    t_start = time.perf_counter()
+    tokens_total, final_loss, pending = 0, None, None
+    last_done = time.perf_counter()
+    paused_s = 0.0
+
+    def finish(p) -> None:
+        """Blocks on a dispatched step's metrics and logs them."""
+        nonlocal last_done, tokens_total, final_loss, paused_s
+        metrics = jax.device_get(p["metrics"])
+        now = time.perf_counter()
+        # Compiling and checkpointing done inside this interval are not step time.
+        step_time = now - last_done - paused_s
+        last_done, paused_s = now, 0.0
+        prepared: PreparedStep = p["prepared"]
+        batch = prepared.batch
+        tokens = int(sum(batch.doc_lengths))
+        sparse_blocks = float(metrics["sparse_blocks"]) if "sparse_blocks" in metrics else None
+        flops = useful_train_flops(model_cfg, batch.doc_lengths, sparse_blocks)
+        record = {
+            "step": p["step"], "loss": float(metrics["loss"]), "tokens": tokens,
+            "targets": int(metrics["targets"]), "step_time_s": step_time,
+            "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
+            "lr": float(schedule(p["step"] - 1)), "grad_norm": float(metrics["grad_norm"]),
+            "rows": int(batch.tokens.shape[0]), "row_len": int(batch.tokens.shape[1]),
+            "docs": len(batch.doc_lengths),
+            "padding_frac": 1.0 - tokens / batch.tokens.size,
+            "compiles": compiler.count, "compiled_now": prepared.is_new, "compile_s": prepared.compile_s,
+            "useful_tflops": flops / 1e12,
+            "mfu": flops / (step_time * peak * num_devices) if peak and step_time > 0 else None,
+            **prepared.record,
+        }
+        if "predicted_step_ms" in record:
+            record["measured_step_ms"] = step_time * 1e3
+        if model_cfg.attention == "sparse":
+            record["sparse_budget"] = model_cfg.sparse.top_k
+            record["sparse_blocks"] = sparse_blocks  # mean selected per query block
+            record["sparse_coverage"] = float(metrics["sparse_coverage"])
+        writer.write(record)
+        progress.update(p["step"], record["loss"], record["tokens_per_s"])
+        tokens_total += tokens
+        final_loss = record["loss"]
+
+    try:
+        for step in range(start + 1, cfg.train.steps + 1):
+            c0 = compiler.compile_seconds
+            prepared = steps.prepare(state, more=step < cfg.train.steps)
+            paused_s += compiler.compile_seconds - c0
+            state, metrics = prepared.compiled(state, *prepared.args)
+            if pending is not None:
+                finish(pending)
+            pending = {"step": step, "metrics": metrics, "prepared": prepared}
+            if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
+                jax.block_until_ready(state)  # the step's own compute is step time
+                t0 = time.perf_counter()
+                ckpt.save(step, state, {"data": prepared.data_state, "step": step})
+                ckpt.wait()
+                paused_s += time.perf_counter() - t0
+        if pending is not None:
+            finish(pending)
+    finally:
+        steps.close()
+    progress.close()
+    writer.close()
+    ckpt.close()
+    seconds = time.perf_counter() - t_start
+    result = RunResult(workdir, start, cfg.train.steps, final_loss, tokens_total, seconds,
+                       compiler.count, data.stats.summary())
+    summary = dataclasses.asdict(result) | {"peak_flops_source": peak_source}
+    if isinstance(steps, PlannedSteps):
+        summary["plan_admissions"] = steps.budget.counts
+    if main:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+    return result

@@ -1,0 +1,281 @@
+"""The chunk op in Pallas: forward (out, lse), dQ and dK/dV kernels of one chunk pair.
+
+Three `pl.pallas_call`s in the shape of the flash kernels (flash_attention/pallas.py), all
+arithmetic float32:
+  * forward, grid (B, H, nq): one query block per program, online softmax over the key blocks
+    of its visit range; writes the block's float32 output and lse;
+  * dQ, grid (B, H, nq): same walk, p = exp(s - lse) from the caller's (global) lse;
+  * dK/dV, grid (B, K, nk): one key block per program, looping over the G = H // K query
+    heads that share it (GQA) and the query blocks of its visit range.
+What differs from the flash kernels is the mask: per token (segment id, position) on both
+sides, query i sees key j iff seg_q[i] == seg_k[j] and pos_k[j] <= pos_q[i], so any token
+order works; block indices say nothing about causality here.
+
+Work skipping, per batch row and kv head: `tables.py` summarises each block by its (id,
+position) ranges outside the kernels and derives the [B, nq, nk] SKIP / FULL / PARTIAL table,
+repeated per kv head ([B, K, nq, nk]; a program of query head h reads row h // G) and, given a
+block selection `select` [B, K, nq, nk] (block-sparse ring rounds, jaxsb/parallel/ring_sparse.py),
+SKIP wherever it is False; then, per query block (key block), the [first, last + 1) range of
+key (query) blocks that are not SKIP.
+A program loops over that range only and a `lax.switch` on the pair's kind skips SKIP pairs
+inside it, leaves the mask out of FULL pairs and masks PARTIAL ones; skipped blocks are never
+loaded. A device whose ring round is idle passes active=False: every pair is SKIP and every
+range empty, so its programs only write zeros.
+
+Layout inside: q/o [B, H, Lqp, Dp] (viewed as [B, K, G, Lqp, Dp] by the dK/dV kernel), k/v
+[B, K, Lkp, Dp]; ids and positions [B, L] int32. Lqp / Lkp are whole blocks (fill ids match
+nothing), Dp is D padded to a power of two >= 16 (zero columns change no score).
+
+GPU: compiled kernels go through the Triton lowering with explicit compiler params
+(`common.triton_compiler_params`), like flash_attention/pallas.py. Under
+`shard_map(check_vma=True)` the out_shapes carry the inputs' varying mesh axes; the Pallas
+interpreter of JAX 0.10 does not track them, so interpreted kernels need check_vma=False
+there (ring.py says so up front).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from kernels_pallas.common import NEG, NN, NT, TN, dot, pad_axis, triton_compiler_params
+from kernels_pallas.common import out_struct as _out_struct
+from kernels_pallas.ring_chunk import tables
+from kernels_pallas.ring_chunk.tables import FULL, PARTIAL, SKIP, ChunkBlocks
+
+# ----------------------------------------------------------------------------- kernels
+
+
+def _mask(sq, pq, sk, pk):
+    """[bq, bk] bool: same segment and key position <= query position."""
+    return (sq[:, None] == sk[None, :]) & (pk[None, :] <= pq[:, None])
+
+
+def _by_kind(kind, update, carry):
+    """Run nothing (SKIP), update(carry, masked=False) (FULL) or masked=True (PARTIAL)."""
+    branches = [None] * 3
+    branches[SKIP] = lambda c: c
+    branches[FULL] = functools.partial(update, masked=False)
+    branches[PARTIAL] = functools.partial(update, masked=True)
+    return lax.switch(kind, branches, carry)
+
+
+def _fwd_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
+                o_ref, lse_ref, *, blocks: ChunkBlocks):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
+    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bq, Dp]
+    sq, pq = sq_ref[...], pq_ref[...]
+
+    def update(carry, ki, masked):
+        m, l, acc = carry
+        k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        s = dot(q, k, NT)  # [bq, bk]
+        if masked:
+            mask = _mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice])
+            s = jnp.where(mask, s, NEG)
+        m_new = jnp.maximum(m, s.max(-1))
+        p = jnp.exp(s - m_new[:, None])
+        if masked:
+            p = jnp.where(mask, p, 0.0)  # a row with nothing allowed keeps l == 0
+        alpha = jnp.exp(m - m_new)
+        l = alpha * l + p.sum(-1)
+        acc = alpha[:, None] * acc + dot(p, v, NN)
+        return m_new, l, acc
+
+    def body(ki, carry):
+        return _by_kind(kinds_ref[ki], functools.partial(update, ki=ki), carry)
+
+    init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
+            jnp.zeros((bq, Dp), jnp.float32))
+    m, l, acc = lax.fori_loop(krange_ref[0], krange_ref[1], body, init)
+    l = jnp.where(l == 0.0, 1.0, l)  # no allowed key in this chunk: out 0, lse NEG
+    o_ref[...] = acc / l[:, None]
+    lse_ref[...] = m + jnp.log(l)
+
+
+def _dq_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
+               do_ref, lse_ref, delta_ref, dq_ref, *, blocks: ChunkBlocks):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
+    q = q_ref[...].astype(jnp.float32) * blocks.scale
+    do = do_ref[...].astype(jnp.float32)
+    lse, delta = lse_ref[...], delta_ref[...]
+    sq, pq = sq_ref[...], pq_ref[...]
+
+    def update(dq, ki, masked):
+        k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
+        k = k_ref[k_slice, :].astype(jnp.float32)
+        v = v_ref[k_slice, :].astype(jnp.float32)
+        p = jnp.exp(dot(q, k, NT) - lse[:, None])
+        if masked:
+            p = jnp.where(_mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice]), p, 0.0)
+        ds = p * (dot(do, v, NT) - delta[:, None])
+        return dq + dot(ds, k, NN)
+
+    def body(ki, dq):
+        return _by_kind(kinds_ref[ki], functools.partial(update, ki=ki), dq)
+
+    dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
+    dq_ref[...] = dq * blocks.scale
+
+
+def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
+                do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, blocks: ChunkBlocks, G: int):
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
+    k = k_ref[...].astype(jnp.float32)  # [bk, Dp]
+    v = v_ref[...].astype(jnp.float32)
+    sk, pk = sk_ref[...], pk_ref[...]
+
+    def update(carry, g, qi, masked):
+        dk, dv = carry
+        q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
+        q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
+        do = do_ref[g, q_slice, :].astype(jnp.float32)
+        p = jnp.exp(dot(q, k, NT) - lse_ref[g, q_slice][:, None])  # [bq, bk]
+        if masked:
+            p = jnp.where(_mask(sq_ref[q_slice], pq_ref[q_slice], sk, pk), p, 0.0)
+        dv = dv + dot(p, do, TN)
+        ds = p * (dot(do, v, NT) - delta_ref[g, q_slice][:, None])
+        dk = dk + dot(ds, q, TN)  # q holds the scale
+        return dk, dv
+
+    def per_head(g, carry):
+        def body(qi, carry):
+            return _by_kind(kinds_ref[qi], functools.partial(update, g=g, qi=qi), carry)
+
+        return lax.fori_loop(qrange_ref[0], qrange_ref[1], body, carry)
+
+    zeros = jnp.zeros((bk, Dp), jnp.float32)
+    dk_ref[...], dv_ref[...] = lax.fori_loop(0, G, per_head, (zeros, zeros))
+
+
+# ----------------------------------------------------------------------------- pallas_calls
+
+
+def _layout(x_BxLxNxD, Lp, blocks: ChunkBlocks):
+    """[B, L, N, D] -> [B, N, Lp, Dp] (zero padding), dtype kept."""
+    return pad_axis(pad_axis(x_BxLxNxD, 1, Lp), 3, blocks.Dp).transpose(0, 2, 1, 3)
+
+
+def _unlayout(x_BxNxLpxDp, L, blocks: ChunkBlocks):
+    return x_BxNxLpxDp[:, :, :L, : blocks.D].transpose(0, 2, 1, 3)
+
+
+def _rows(x_BxLxH, Lp):
+    """Per-query scalars [B, L, H] -> float32 [B, H, Lp]."""
+    return pad_axis(x_BxLxH.astype(jnp.float32), 1, Lp).transpose(0, 2, 1)
+
+
+def _tables(seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks, K: int, select=None):
+    """Padded ids and positions and the kinds per row and kv head [B, K, nq, nk] (see
+    tables.py): the row's kinds for every kv head, SKIP where `select` [B, K, nq, nk]
+    (bool, optional) leaves a pair out."""
+    sq, pq = tables.pad_ids(seg_q, pos_q, blocks.Lqp, tables.Q_FILL)
+    sk, pk = tables.pad_ids(seg_k, pos_k, blocks.Lkp, tables.K_FILL)
+    allowed, full = tables.pair_flags(tables.block_summaries(sq, pq, blocks.bq),
+                                      tables.block_summaries(sk, pk, blocks.bk),
+                                      blocks.bq, blocks.bk, blocks.local)
+    kinds = tables.row_kinds(allowed, full, active)[:, None]
+    B, _, nq, nk = kinds.shape
+    if select is None:
+        return (sq, pq, sk, pk), jnp.broadcast_to(kinds, (B, K, nq, nk))
+    return (sq, pq, sk, pk), jnp.where(select, kinds, SKIP).astype(jnp.int32)
+
+
+def _call(kernel, name, grid, in_specs, out_specs, out_shape, blocks: ChunkBlocks):
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        interpret=blocks.interpret, compiler_params=triton_compiler_params(blocks.interpret),
+        name=name)
+
+
+def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks,
+                         select=None):
+    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair (only the
+    block pairs `select` [B, K, nq, nk] keeps, if given)."""
+    B, _, H, _ = q.shape
+    G = H // k.shape[2]
+    bq, Dp, Lkp, nk = blocks.bq, blocks.Dp, blocks.Lkp, blocks.nk
+    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, blocks, k.shape[2], select)
+    qt, kt, vt = _layout(q, blocks.Lqp, blocks), _layout(k, Lkp, blocks), _layout(v, Lkp, blocks)
+    q_ids = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
+    k_ids = pl.BlockSpec((None, Lkp), lambda b, h, i: (b, 0))
+    kv = pl.BlockSpec((None, None, Lkp, Dp), lambda b, h, i: (b, h // G, 0, 0))
+    o, lse = _call(
+        functools.partial(_fwd_kernel, blocks=blocks), "ring_chunk_fwd", (B, H, blocks.nq),
+        [
+            pl.BlockSpec((None, None, None, nk), lambda b, h, i: (b, h // G, i, 0)),  # kinds row
+            pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),  # key range
+            q_ids, q_ids, k_ids, k_ids,
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            kv, kv,
+        ],
+        [
+            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
+        ],
+        [_out_struct((B, H, blocks.Lqp, Dp), jnp.float32, qt),
+         _out_struct((B, H, blocks.Lqp), jnp.float32, qt)],
+        blocks,
+    )(kinds, tables.visit_ranges(kinds), *ids, qt, kt, vt)
+    return _unlayout(o, blocks.Lq, blocks), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
+
+
+def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
+                          blocks: ChunkBlocks, select=None):
+    """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
+    B, _, H, _ = q.shape
+    K = k.shape[2]
+    G = H // K
+    bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
+    Lqp, Lkp, nq, nk = blocks.Lqp, blocks.Lkp, blocks.nq, blocks.nk
+    ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, blocks, K, select)
+    kinds_t = kinds.transpose(0, 1, 3, 2)  # [B, K, nk, nq]: per key block
+    k_range = tables.visit_ranges(kinds)
+    q_range = tables.visit_ranges(kinds_t)
+    qt, kt, vt = _layout(q, Lqp, blocks), _layout(k, Lkp, blocks), _layout(v, Lkp, blocks)
+    dot_ = _layout(do, Lqp, blocks)  # fill rows and columns get a zero cotangent
+    lse_t, delta_t = _rows(lse, Lqp), _rows(delta, Lqp)  # fill rows: never unmasked
+
+    q_ids = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
+    k_ids = pl.BlockSpec((None, Lkp), lambda b, h, i: (b, 0))
+    q_blk = pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0))
+    kv_all = pl.BlockSpec((None, None, Lkp, Dp), lambda b, h, i: (b, h // G, 0, 0))
+    q_row = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
+    dq = _call(
+        functools.partial(_dq_kernel, blocks=blocks), "ring_chunk_dq", (B, H, nq),
+        [
+            pl.BlockSpec((None, None, None, nk), lambda b, h, i: (b, h // G, i, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),
+            q_ids, q_ids, k_ids, k_ids, q_blk, kv_all, kv_all, q_blk, q_row, q_row,
+        ],
+        q_blk, _out_struct((B, H, Lqp, Dp), jnp.float32, qt), blocks,
+    )(kinds, k_range, *ids, qt, kt, vt, dot_, lse_t, delta_t)
+
+    # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    q_all_ids = pl.BlockSpec((None, Lqp), lambda b, h, j: (b, 0))
+    k_blk_ids = pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
+    q_all = pl.BlockSpec((None, None, G, Lqp, Dp), lambda b, h, j: (b, h, 0, 0, 0))
+    kv_blk = pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0))
+    rows_all = pl.BlockSpec((None, None, G, Lqp), lambda b, h, j: (b, h, 0, 0))
+    dk, dv = _call(
+        functools.partial(_dkv_kernel, blocks=blocks, G=G), "ring_chunk_dkv", (B, K, nk),
+        [
+            pl.BlockSpec((None, None, None, nq), lambda b, h, j: (b, h, j, 0)),
+            pl.BlockSpec((None, None, None, 2), lambda b, h, j: (b, h, j, 0)),
+            q_all_ids, q_all_ids, k_blk_ids, k_blk_ids,
+            q_all, kv_blk, kv_blk, q_all, rows_all, rows_all,
+        ],
+        [kv_blk, kv_blk],
+        [_out_struct((B, K, Lkp, Dp), jnp.float32, kt)] * 2,
+        blocks,
+    )(kinds_t, q_range, *ids, grouped(qt), kt, vt, grouped(dot_),
+      grouped(lse_t), grouped(delta_t))
+    return (_unlayout(dq, blocks.Lq, blocks), _unlayout(dk, blocks.Lk, blocks),
+            _unlayout(dv, blocks.Lk, blocks))

@@ -1,0 +1,116 @@
+"""The ring's chunk op on TPU: the Mosaic kernels of `kernels_pallas/mosaic.py` with the chunk's
+per-token mask and a walk over the chunk's own block table.
+
+The mask is the chunk op's (ops.py): query i sees key j iff seg_q[i] == seg_k[j] and
+pos_k[j] <= pos_q[i], so the kernels get ids and positions, each side padded to whole blocks
+with fill ids that match nothing (tables.pad_ids). Which block pairs run is the Triton
+kernels' table (`pallas._tables`: SKIP / FULL / PARTIAL per row and kv head from the
+blocks' id and position ranges, SKIP where a block selection leaves a pair out or the round is
+not `active`), passed whole to SMEM with its visit ranges: chunks are 1/ring-size of a
+sequence, so [B, K, nq, nk] stays small at TPU block sizes (`mosaic.check_smem` says when not).
+
+Forward: float32 out and lse of this chunk alone (out 0, lse NEG for a query that sees no key
+here). Backward: float32 dq, dk, dv from the caller's global lse and delta, as `ops.py`
+specifies. Blocks are multiples of 128 tokens (tables.make_chunk_blocks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from kernels_pallas import mosaic
+from kernels_pallas.common import pad_axis
+from kernels_pallas.ring_chunk import pallas as chunk_pallas
+from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks, visit_ranges
+from kernels_pallas.mosaic import Geometry
+
+
+@dataclasses.dataclass(frozen=True)
+class TableWalk:
+    """Per (row, kv head): query block qi visits key blocks [first, last) of its range, with
+    the table's kind; key block kb's run visits query blocks [first, last) of its range."""
+
+    geo: Geometry
+    kv_heads: int
+
+    @property
+    def fwd_steps(self) -> int:
+        return self.geo.nk
+
+    @property
+    def bwd_outer(self) -> int:
+        return self.geo.nk
+
+    @property
+    def bwd_steps(self) -> int:
+        return self.geo.nq
+
+    def _kind(self, kinds, b, kvh, qi, kb):
+        return kinds[((b * self.kv_heads + kvh) * self.geo.nq + qi) * self.geo.nk + kb]
+
+    def fwd(self, t, b, kvh, qi, step):
+        kinds, k_range, _ = t
+        r = ((b * self.kv_heads + kvh) * self.geo.nq + qi) * 2
+        first, last = k_range[r], k_range[r + 1]
+        kb = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        return kb, jnp.where(first + step < last, self._kind(kinds, b, kvh, qi, kb), SKIP)
+
+    def bwd(self, t, b, kvh, kb, step):
+        kinds, _, q_range = t
+        r = ((b * self.kv_heads + kvh) * self.geo.nk + kb) * 2
+        first, last = q_range[r], q_range[r + 1]
+        qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        kind = jnp.where(first + step < last, self._kind(kinds, b, kvh, qi, kb), SKIP)
+        return kb, qi, kind, step == 0, step == self.bwd_steps - 1
+
+
+def _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks, select):
+    """(geometry, walk, SMEM tables, ids (seg_q, seg_k, pos_q, pos_k) padded to blocks)."""
+    # Interpreted, the generic Pallas interpreter: the ring runs the chunk under shard_map on
+    # several devices, where the TPU interpreter (which simulates devices itself) stalls.
+    geo = mosaic.make_geometry(blocks.Lq, blocks.D, blocks.bq, blocks.bk, False,
+                               blocks.interpret, tpu_interpreter=False, T_kv=blocks.Lk,
+                               positions=True)
+    K = k.shape[2]
+    (sq, pq, sk, pk), kinds = chunk_pallas._tables(seg_q, pos_q, seg_k, pos_k, active, blocks,
+                                                   K, select)
+    tables = (kinds.reshape(-1), visit_ranges(kinds).reshape(-1),
+              visit_ranges(kinds.swapaxes(-1, -2)).reshape(-1))
+    mosaic.check_smem(tables, f"ring chunk {blocks.Lq}x{blocks.Lk} with blocks "
+                              f"{blocks.bq}x{blocks.bk}")
+    return geo, TableWalk(geo, K), tables, (sq, sk, pq, pk)
+
+
+def _layouts(q, k, v, geo: Geometry):
+    return (mosaic.layout(q, geo.Tq, geo), mosaic.layout(k, geo.Tk, geo),
+            mosaic.layout(v, geo.Tk, geo))
+
+
+def chunk_forward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks,
+                         select=None):
+    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair (only the block
+    pairs `select` [B, K, nq, nk] keeps, if given)."""
+    geo, walk, tables, ids = _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks, select)
+    o, lse = mosaic.forward(tables, ids, *_layouts(q, k, v, geo), geo, walk,
+                            out_dtype=jnp.float32)
+    return mosaic.unlayout(o, geo, jnp.float32), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
+
+
+def chunk_backward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
+                          blocks: ChunkBlocks, select=None):
+    """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
+    geo, walk, tables, ids = _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks, select)
+
+    def rows(x_BxLxH):  # [B, Lq, H] -> float32 [B, H, Tq]
+        return pad_axis(x_BxLxH.astype(jnp.float32), 1, geo.Tq).transpose(0, 2, 1)
+
+    dq, dk, dv = mosaic.backward(tables, ids, *_layouts(q, k, v, geo),
+                                 mosaic.layout(do, geo.Tq, geo), rows(lse), rows(delta), geo,
+                                 walk, grad_dtype=jnp.float32)
+    return (mosaic.unlayout(dq, geo, jnp.float32),
+            mosaic.unlayout(dk, geo, jnp.float32, blocks.Lk),
+            mosaic.unlayout(dv, geo, jnp.float32, blocks.Lk))
+

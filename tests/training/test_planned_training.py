@@ -1,0 +1,89 @@
+"""Training through planners: every planner trains the same model (same fixed-seed loss
+trajectory within 1e-4 relative per step), the per-step metrics carry the plan, and a longer
+run on long-tailed data compiles at most `parallel.max_programs` programs. Every run trains
+from scratch with the session's BPE (conftest's `session_bpe`) instead of training its own."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from jaxsb.config import load_config
+from jaxsb.training.trainer import train
+from tolerances import tol
+
+pytestmark = [pytest.mark.slow, pytest.mark.compiled]  # every test trains
+
+PRESET = "parallel.preset=flexsp-a100:gpt-7b"  # a published profile: plans differ by planner
+
+
+def _run(bpe, tmp_path, name, *overrides):
+    workdir = tmp_path / name
+    cfg = bpe.seed(load_config("tiny", [f"train.workdir={workdir}", "train.steps=3",
+                                        "train.checkpoint_every=100", "data.tokens_per_step=3072", PRESET,
+                                        *overrides]))
+    result = train(cfg, log=lambda *_: None)
+    with open(os.path.join(workdir, "metrics.jsonl")) as f:
+        return result, [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def rows_run(tmp_path_factory, session_bpe):
+    return _run(session_bpe, tmp_path_factory.mktemp("rows"), "rows", "parallel.planner=none")
+
+
+# static = rows is also checked across processes (tests/parallel/test_multiprocess.py)
+@pytest.mark.parametrize("planner, extra", [
+    ("skrull", ["parallel.cp=4"]),
+    ("jaxsb", []),
+])
+def test_every_planner_trains_the_same_model(rows_run, tmp_path, planner, extra, session_bpe):
+    _, want = rows_run
+    _, got = _run(session_bpe, tmp_path, planner, f"parallel.planner={planner}", *extra)
+    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], **tol("planner_loss", np.float32))
+    for r in got:
+        assert r["planner"] in (planner, "fallback") and r["plan"]
+        assert r["predicted_step_ms"] > 0 and r["measured_step_ms"] > 0
+        assert r["load_max_ms"] >= r["load_mean_ms"] > 0 and r["load_imbalance"] >= 1.0
+        assert r["plan_solve_s"] >= 0 and r["plan_wait_s"] >= 0
+
+
+def test_compiled_programs_stay_within_the_bound(tmp_path, session_bpe):
+    result, records = _run(session_bpe, tmp_path, "bounded", "train.steps=50",
+                           "parallel.planner=batch-adaptive", "parallel.max_programs=3",
+                           "data.tokens_per_step=2048")
+    assert result.compiles <= 3
+    assert all(r["compiles"] <= 3 for r in records)
+    assert len({r["plan"] for r in records}) >= 1
+    assert sum(r["compiled_now"] for r in records) == result.compiles
+    with open(tmp_path / "bounded" / "summary.json") as f:
+        admissions = json.load(f)["plan_admissions"]
+    assert sum(admissions.values()) == 50 and admissions.get("over-bound", 0) == 0
+
+
+PLANNERS = ("static", "batch-adaptive", "flexsp", "skrull", "jaxsb")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("attention", ["xla", "sparse"])
+def test_default_config_trains_with_every_planner(tmp_path, attention, session_bpe):
+    """The main job's config as a new user runs it (`python -m jaxsb.train --set
+    parallel.planner=...`), a few short steps: every planner runs (skrull's default CP group of
+    all devices used to crash on micro-batches with no sharded sequence) and trains the same
+    model as the rows path, dense and sparse."""
+    losses = {}
+    for planner in ("none",) + PLANNERS:
+        cfg = session_bpe.seed(load_config("default", [
+            f"train.workdir={tmp_path / planner}", "train.steps=2", "train.checkpoint_every=100",
+            "data.tokens_per_step=4096", f"model.attention={attention}", f"parallel.planner={planner}"]))
+        train(cfg, log=lambda *_: None)
+        with open(tmp_path / planner / "metrics.jsonl") as f:
+            records = [json.loads(line) for line in f]
+        assert len(records) == 2, planner
+        if planner != "none":
+            assert all(r["planner"].startswith(planner) for r in records), (planner, [r["planner"] for r in records])
+        losses[planner] = [r["loss"] for r in records]
+    for planner in PLANNERS:
+        np.testing.assert_allclose(losses[planner], losses["none"], err_msg=planner, **tol("planner_loss", np.float32))
