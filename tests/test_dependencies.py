@@ -4,7 +4,8 @@ inside functions included): data flows data -> planner -> Plan -> executor -> mo
 * kernels_pallas imports nothing of jaxsb;
 * the Plan package (jaxsb.plan) imports only numpy and itself;
 * planners (jaxsb.planner) import the Plan package, the config and each other, never the
-  executor, the models or training, and no jax (they run on the host with numpy / python-mip);
+  executor, the models or training, and no jax (they run on the host with numpy / python-mip;
+  the simulator's plots use matplotlib);
 * the executor (jaxsb.parallel) imports the Plan package, models and kernels, never planners
   or training;
 * data imports neither models nor parallel nor planners; models never import training,
@@ -96,7 +97,7 @@ RULES = {
     "kernels_pallas": dict(allowed_internal=("kernels_pallas",)),
     "jaxsb.plan": dict(allowed_internal=("jaxsb.plan",), third_party=("numpy",)),
     "jaxsb.planner": dict(allowed_internal=("jaxsb.plan", "jaxsb.planner", "jaxsb.config"),
-                          third_party=("numpy", "mip")),
+                          third_party=("numpy", "mip", "matplotlib")),
     "jaxsb.parallel": dict(forbidden=("jaxsb.planner", "jaxsb.training", "jaxsb.data")),
     "jaxsb.data": dict(forbidden=("jaxsb.models", "jaxsb.parallel", "jaxsb.planner", "jaxsb.training")),
     "jaxsb.models": dict(forbidden=("jaxsb.training", "jaxsb.planner", "jaxsb.parallel")),

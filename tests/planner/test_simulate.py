@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from jaxsb import simulate
+from jaxsb.planner import simulation as simulate
 from jaxsb.planner import registry
 from jaxsb.planner.cost import load_preset, plan_memory_mb, token_capacity
 from jaxsb.plan import SHARDED, PlanError

@@ -12,7 +12,8 @@ import json
 import numpy as np
 import pytest
 
-from jaxsb.calibrate import QUICK, calibrate, format_table, held_out_errors, main, make_grid
+from jaxsb.calibrate import main
+from jaxsb.training.calibration import QUICK, calibrate, format_table, held_out_errors, make_grid
 from jaxsb.config import load_config
 from jaxsb.planner.cost import CalibratedCost, fit_calibrated, load_preset
 from jaxsb.plan import GroupSpec, build_plan
