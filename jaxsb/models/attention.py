@@ -25,6 +25,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
+from jaxsb.config import SINGLE_DEVICE_ATTENTION
+
 _OVERRIDE: contextvars.ContextVar[Callable | None] = contextvars.ContextVar("jaxsb_attention_override",
                                                                            default=None)
 
@@ -103,8 +105,7 @@ def ring_implementation(model_cfg) -> str:
     place that maps it: flash and sparse -> "auto" (Pallas on GPU/TPU, XLA elsewhere, as `attend`
     and `sparse_attend`), xla -> "xla". The single-device oracles (reference, jax) have no ring
     version: refused here, and at config time with a planner (jaxsb.config)."""
-    impl = {"flash": "auto", "sparse": "auto", "xla": "xla"}.get(model_cfg.attention)
-    if impl is None:
+    if model_cfg.attention in SINGLE_DEVICE_ATTENTION:
         raise ValueError(f"model.attention={model_cfg.attention!r} has no ring (sequence-parallel) version; "
                          "use xla, flash or sparse")
-    return impl
+    return "xla" if model_cfg.attention == "xla" else "auto"

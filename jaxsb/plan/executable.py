@@ -18,6 +18,7 @@ trainer never swaps a refused plan for another one silently.
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 from jaxsb.plan.plan import PlanError, Template
 
@@ -69,13 +70,21 @@ class Runnable:
             raise PlanError(f"plan {template.summary()!r} cannot be executed: {problem}")
 
 
+def ulysses_runs(degrees: Sequence[int], runnable: Runnable | None = None) -> bool:
+    """Whether the executor can run a micro-batch whose groups (idle degree-1 groups included)
+    have these degrees as ulysses: one `all_to_all` on a (groups, degree) mesh needs a single
+    degree, and `runnable` (when given) must accept it."""
+    degs = set(degrees)
+    return len(degs) == 1 and (runnable is None or runnable.ulysses_degree_ok(degs.pop()))
+
+
 def executable_problem(template: Template) -> str | None:
     """The executor's rules that hold for every model (see the module docstring)."""
     for m, mb in enumerate(template.microbatches):
         schemes = {grp.scheme for grp in mb.groups if grp.degree > 1}
         if len(schemes) > 1:
             return f"micro-batch {m} (groups {mb.degrees()}) mixes schemes {sorted(schemes)}; one per micro-batch"
-        if "ulysses" in schemes and len({grp.degree for grp in mb.groups}) > 1:
+        if "ulysses" in schemes and not ulysses_runs([grp.degree for grp in mb.groups]):
             return (f"micro-batch {m} (groups {mb.degrees()}): ulysses needs groups of one degree; "
                     "use ring for groups of different sizes")
     return None

@@ -114,6 +114,15 @@ def check_scheme(name: str, scheme: str) -> str:
     return scheme
 
 
+def check_ulysses_degree(name: str, scheme: str, degree: int, runnable: Runnable | None) -> None:
+    """ValueError when a planner of one fixed degree would plan ulysses groups the executor
+    cannot run with this model."""
+    if scheme == "ulysses" and degree > 1 and runnable is not None and not runnable.ulysses_degree_ok(degree):
+        raise ValueError(f"{name}: the executor cannot run ulysses groups of degree {degree} with this model "
+                         f"(sparse routing needs degrees dividing kv_heads={runnable.kv_heads}); use "
+                         "scheme='ring' or another degree")
+
+
 def check_options(name: str, options: Mapping[str, Any]) -> None:
     if options:
         raise TypeError(f"{name}: unknown options {sorted(options)}")

@@ -55,7 +55,7 @@ import numpy as np
 from jaxsb.planner.base import PlannerBase, check_degrees, check_options, check_scheme, pow2_degrees, resolve_align
 from jaxsb.planner.linear import LinearCost, finish_plan, simple_lower_bound, specs_from_groups
 from jaxsb.planner.static import BatchAdaptivePlanner
-from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable
+from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable, ulysses_runs
 
 
 class _Packing:
@@ -202,10 +202,9 @@ class JaxsbPlanner(PlannerBase):
 
     def _specs(self, groups, lengths, budgets) -> list[GroupSpec]:
         specs = specs_from_groups(groups, self.lin, self.scheme)
-        degs = {s.degree for s in specs}
-        d = max(degs)
-        runs_ulysses = self.runnable is None or self.runnable.ulysses_degree_ok(d)
-        if self.scheme == "ring" and len(degs) == 1 and d > 1 and d * len(specs) == self.num_devices and runs_ulysses:
+        d = max(s.degree for s in specs)
+        degrees = [s.degree for s in specs] + [1] * (self.num_devices - sum(s.degree for s in specs))
+        if self.scheme == "ring" and d > 1 and ulysses_runs(degrees, self.runnable):
             # equal groups over all devices: the executor can run ulysses; take it if faster
             def slowest(scheme):
                 return max(self.cost.group_time_ms(d, [lengths[i] for i in s.sharded], scheme=scheme,

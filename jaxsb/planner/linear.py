@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsb.plan import GroupSpec, Plan, PlanError, build_plan
+from jaxsb.plan import GroupSpec, Plan, PlanError, build_plan, ulysses_runs
 from jaxsb.planner.base import pow2_degrees
 
 _EPS_MB = 1e-6  # memory slack kept below the limit against float round-off
@@ -130,22 +130,21 @@ def linear_span(groups, T: np.ndarray, lin: LinearCost) -> float:
     return max((lin.base_time[j] + T[ids, j].sum() for j, ids in groups if ids), default=0.0)
 
 
-def executable_specs(specs: list[GroupSpec], runnable) -> list[GroupSpec]:
+def executable_specs(specs: list[GroupSpec], runnable, num_devices: int) -> list[GroupSpec]:
     """One micro-batch's groups as the executor runs them (`runnable` None: as planned, for the
-    simulator): ulysses groups of different degrees, or of a degree it cannot run, become ring
-    groups (the executor's scheme for uneven groups)."""
-    multi = [s for s in specs if s.degree > 1]
-    uneven = len({s.degree for s in specs}) > 1
-    if runnable is None or not any(s.scheme == "ulysses" for s in multi):
+    simulator): ulysses groups it cannot run (`ulysses_runs`, over the groups and the idle
+    degree-1 groups build_plan adds) become ring groups, the executor's scheme for uneven groups."""
+    if runnable is None or not any(s.scheme == "ulysses" and s.degree > 1 for s in specs):
         return specs
-    if uneven or not all(runnable.ulysses_degree_ok(s.degree) for s in multi):
-        return [dataclasses.replace(s, scheme="ring") if s.degree > 1 else s for s in specs]
-    return specs
+    degrees = [s.degree for s in specs] + [1] * (num_devices - sum(s.degree for s in specs))
+    if ulysses_runs(degrees, runnable):
+        return specs
+    return [dataclasses.replace(s, scheme="ring") if s.degree > 1 else s for s in specs]
 
 
 def finish_plan(cost, num_devices, mbs_specs, lengths, budgets, align, name, runnable=None) -> Plan:
     """The priced Plan of per-micro-batch GroupSpecs, in schemes the executor runs (`runnable`)."""
-    mbs_specs = [executable_specs(list(specs), runnable) for specs in mbs_specs]
+    mbs_specs = [executable_specs(list(specs), runnable, num_devices) for specs in mbs_specs]
     plan = build_plan(num_devices, mbs_specs, lengths, budgets=budgets, align=align, planner=name)
     return dataclasses.replace(plan, predicted_ms=float(cost.plan_time_ms(plan)))
 

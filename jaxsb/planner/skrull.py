@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxsb.plan import SHARDED, GroupSpec, Plan, PlanError, Runnable, build_plan
-from jaxsb.planner.base import PlannerBase, check_scheme, resolve_align
+from jaxsb.planner.base import PlannerBase, check_scheme, check_ulysses_degree, resolve_align
 from jaxsb.planner.cost import token_capacity as cost_token_capacity
 from jaxsb.planner.skrull_cost import SkrullCost
 
@@ -83,9 +83,7 @@ class SkrullPlanner(PlannerBase):
         if dp < 1 or cp < 1 or dp * cp > num_devices:
             raise ValueError(f"dp={dp} x cp={cp} must be >= 1 and use at most {num_devices=} devices")
         check_scheme(self.name, scheme)
-        if scheme == "ulysses" and cp > 1 and runnable is not None and not runnable.ulysses_degree_ok(cp):
-            raise ValueError(f"skrull: the executor cannot run ulysses CP groups of {cp} with this model (sparse "
-                             f"routing needs degrees dividing kv_heads={runnable.kv_heads}); use scheme='ring'")
+        check_ulysses_degree(self.name, scheme, cp, runnable)
         self.runnable = runnable
         self.cost = cost
         self.num_devices = int(num_devices)

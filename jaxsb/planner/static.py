@@ -26,7 +26,7 @@ import numpy as np
 
 from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable, build_plan
 from jaxsb.planner.base import (PlannerBase, check_degrees, check_longest_fits, check_options, check_scheme,
-                                pow2_degrees, resolve_align)
+                                check_ulysses_degree, pow2_degrees, resolve_align)
 from jaxsb.planner.cost import CostModel, token_capacity
 
 
@@ -64,10 +64,7 @@ class StaticPlanner(PlannerBase):
         if not 1 <= degree <= num_devices:
             raise ValueError(f"degree={degree} must be in [1, num_devices={num_devices}]")
         check_scheme(self.name, scheme)
-        if scheme == "ulysses" and degree > 1 and runnable is not None and not runnable.ulysses_degree_ok(degree):
-            raise ValueError(f"{self.name}: the executor cannot run ulysses groups of degree {degree} with this "
-                             f"model (sparse routing needs degrees dividing kv_heads={runnable.kv_heads}); use "
-                             "scheme='ring' or another degree")
+        check_ulysses_degree(self.name, scheme, degree, runnable)
         self.runnable = runnable
         if not 0 < fill <= 1:
             raise ValueError(f"fill={fill} must be in (0, 1]")

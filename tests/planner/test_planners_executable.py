@@ -61,3 +61,18 @@ def test_refused_plan_is_an_error_not_a_fallback():
 
     with pytest.raises(PlanError, match="uneven: planned .* ulysses needs groups of one degree"):
         Uneven().solve([100, 50])
+
+
+def test_ulysses_groups_beside_idle_devices_become_ring():
+    """A micro-batch of ulysses groups that leaves devices idle gets degree-1 groups beside them:
+    not one degree, so the executor runs it as ring (counted with the idle groups)."""
+    from jaxsb.plan import GroupSpec
+    from jaxsb.planner.linear import finish_plan
+
+    cost = load_cost_model("cpu", N, 4096)
+    specs = [[GroupSpec(4, "ulysses", (0,))], [GroupSpec(4, "ulysses", (1,)), GroupSpec(4, "ulysses", (2,))]]
+    plan = finish_plan(cost, N, specs, [512, 256, 256], None, 1, "test", RUNNABLE["dense"])
+    assert [mb.scheme for mb in plan.template.microbatches] == ["ring", "ulysses"]
+    assert RUNNABLE["dense"].problem(plan.template) is None
+    as_planned = finish_plan(cost, N, specs, [512, 256, 256], None, 1, "test")  # the simulator: no runnable
+    assert [mb.scheme for mb in as_planned.template.microbatches] == ["ulysses", "ulysses"]
