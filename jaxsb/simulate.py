@@ -18,18 +18,11 @@ The library behind it is jaxsb/planner/simulation.py.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 
-from jaxsb.planner.simulation import (DISTRIBUTIONS, format_table, make_batches, read_lengths, run,
-                                      synthetic_lengths, write_plots)
-
-def parse_value(text: str):
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError:
-        return text
+from jaxsb.planner.simulation import (DISTRIBUTIONS, describe_run, format_table, make_batches, make_planners,
+                                      preset_options, read_lengths, resolve_devices, run, synthetic_lengths,
+                                      write_plots, write_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,49 +55,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from jaxsb.planner.cost import load_preset
     from jaxsb.plan import PlanError
-    from jaxsb.planner.registry import make_planner, planner_options
+    from jaxsb.planner.cost import load_preset
 
     try:
-        n = args.devices
-        if args.dp or args.cp:
-            if not (args.dp and args.cp):
-                raise ValueError("--dp and --cp go together")
-            if n is not None and n != args.dp * args.cp:
-                raise ValueError(f"--devices {n} != --dp {args.dp} x --cp {args.cp}")
-            n = args.dp * args.cp
-        n = 64 if n is None else n
-        for flag, v in (("--devices", n), ("--global-batch", args.global_batch), ("--steps", args.steps),
-                        ("--max-len", args.max_len)):
-            if v < 1:
-                raise ValueError(f"{flag} {v} must be >= 1")
-        preset_opts = {}
-        if args.preset.startswith("flexsp-a100:"):
-            preset_opts = dict(num_devices=n, max_len=args.max_len)
-        for item in args.preset_option:
-            key, sep, val = item.partition("=")
-            if not sep:
-                raise ValueError(f"--preset-option {item!r}: expected KEY=VALUE")
-            preset_opts[key] = parse_value(val)
+        n = resolve_devices(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
+        preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option)
         cost = load_preset(args.preset, **preset_opts)
-
         names = list(dict.fromkeys(args.planner or ["static"]))
-        per_planner: dict[str, dict] = {name: {} for name in names}
-        for item in args.planner_option:
-            key, sep, val = item.partition("=")
-            pname, dot, opt = key.partition(".")
-            if not sep or not dot:
-                raise ValueError(f"--planner-option {item!r}: expected NAME.KEY=VALUE")
-            if pname not in per_planner:
-                raise ValueError(f"--planner-option {item!r}: planner {pname!r} is not among --planner {names}")
-            per_planner[pname][opt] = parse_value(val)
-        planners = {}
-        for name in names:
-            opts = planner_options(name, n, time_limit_s=args.time_limit, degree=args.cp, dp=args.dp, cp=args.cp)
-            opts.update(per_planner[name])
-            planners[name] = make_planner(name, cost, n, **opts)
-
+        planners, per_planner = make_planners(names, args.planner_option, cost, n, args.time_limit, args.dp, args.cp)
         source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, args.seed)
         batches, dropped, scanned = make_batches(source, n, args.global_batch, args.max_len, args.steps)
     except (ValueError, TypeError) as e:
@@ -118,9 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if len(batches) < args.steps:
         print(f"warning: only {len(batches)} full batches, not {args.steps}")
-    print(f"cost model {cost.name}, {n} devices, memory limit {cost.memory_limit_mb / 1024:.1f} GB, "
-          f"{len(batches)} steps of {args.global_batch} sequences "
-          f"({sum(map(sum, batches)) / len(batches) / 1e6:.2f}M tokens per step)")
+    print(describe_run(cost, n, batches))
     try:
         results = run(cost, planners, batches)
     except PlanError as e:
@@ -128,17 +85,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(format_table(results))
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        doc = dict(config=dict(lengths=args.lengths, dist=args.dist, seed=args.seed, devices=n,
-                               preset=args.preset, preset_options=preset_opts, cost_model=cost.name,
-                               memory_limit_mb=cost.memory_limit_mb, global_batch=args.global_batch,
-                               max_len=args.max_len, steps=len(batches), dp=args.dp, cp=args.cp,
-                               time_limit_s=args.time_limit, planners=names,
-                               planner_options=per_planner),
-                   dropped=dropped, scanned=scanned, planners=results)
-        with open(args.out, "w") as f:
-            json.dump(doc, f, indent=1)
-        print(f"wrote {args.out}")
+        config = dict(vars(args), devices=n, preset_options=preset_opts, cost_model=cost.name,
+                      memory_limit_mb=cost.memory_limit_mb, steps=len(batches), planners=names,
+                      planner_options=per_planner)
+        print(f"wrote {write_report(args.out, config, dropped, scanned, results)}")
     if args.plots:
         for path in write_plots(results, n, args.plots):
             print(f"wrote {path}")

@@ -1,4 +1,5 @@
-"""Cutting documents into pieces and packing a step's pieces into equal-length rows.
+"""Cutting documents into pieces; a step's pieces as they are (`StepPieces`, what a planner
+lays out) or packed into equal-length rows (`Batch`, the layout of the rows path).
 
 Long documents follow data.long_policy. `split` cuts a document of n tokens into pieces of at
 most max_len tokens that overlap by one token: piece k+1 starts with piece k's last token, so
@@ -85,6 +86,44 @@ def cut_pieces(ids: np.ndarray, flags: np.ndarray, origin: str, ref: tuple[int, 
     stats.add("split_docs", origin=origin)
     stats.add("split_pieces", len(pieces))
     return pieces
+
+
+@dataclasses.dataclass
+class StepPieces:
+    """One step's pieces in reading order, not packed: a planned step lays them out itself."""
+
+    pieces: list[Piece]
+
+    @property
+    def doc_lengths(self) -> list[int]:
+        return [len(p) for p in self.pieces]
+
+    @property
+    def doc_origins(self) -> list[str]:
+        return [p.origin for p in self.pieces]
+
+    @property
+    def doc_refs(self) -> list[tuple[int, int, int]]:
+        return [p.ref for p in self.pieces]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(p) for p in self.pieces)
+
+    @property
+    def num_targets(self) -> int:
+        return sum(p.num_targets for p in self.pieces)
+
+    def digest(self) -> str:
+        """A fingerprint of the step's data, to check that every process drew the same step."""
+        import hashlib
+
+        h = hashlib.sha256()
+        for p in self.pieces:
+            h.update(np.asarray(len(p), np.int64).tobytes())
+            h.update(np.ascontiguousarray(p.ids, np.int32).tobytes())
+            h.update(np.ascontiguousarray(p.flags, bool).tobytes())
+        return h.hexdigest()
 
 
 @dataclasses.dataclass

@@ -1,11 +1,15 @@
-"""DataIterator: one packed Batch per training step, with a small, exact, resumable state.
+"""DataIterator: each training step's pieces, with a small, exact, resumable state.
 
 Position = (epoch, cursor, piece): the unit at index `cursor` of epoch `epoch`'s seeded
 permutation, and the next piece of that unit's document. A step takes pieces in order until
-the token budget would be exceeded (always at least one), packs them into `num_rows` rows
-(`batching.pack_rows`), and carries pieces that fit no row to the front of the next step.
+the token budget would be exceeded (always at least one). What happens next is the step's
+layout:
+  * `next()` (the rows path, `parallel.planner=none`) packs them into `num_rows` rows
+    (`batching.pack_rows`) and carries pieces that fit no row to the front of the next step;
+  * `next_pieces()` (planned steps) hands them over as they are (`StepPieces`): the planner
+    lays them out, so nothing is carried and the budget is `data.tokens_per_step` itself.
 Carried pieces are saved by reference (epoch, cursor, piece) and re-read on restore, so the
-state stays small while `restore(state)` + `next()` gives exactly the batch an uninterrupted
+state stays small while `restore(state)` + `next()` gives exactly the step an uninterrupted
 iterator would have given; the counters travel with the state, so totals match too.
 """
 
@@ -17,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from jaxsb.config import DataConfig
-from jaxsb.data.batching import Batch, Piece, build_batch, cut_pieces, pack_rows
+from jaxsb.data.batching import Batch, Piece, StepPieces, build_batch, cut_pieces, pack_rows
 from jaxsb.data.sources import DataError, Source, epoch_permutation, open_source
 from jaxsb.data.stats import DataStats
 from jaxsb.data.tokenizer import Tokenizer, encode_document
@@ -27,17 +31,19 @@ log = logging.getLogger(__name__)
 
 
 class DataIterator:
-    """Packed batches from `cfg`'s documents; `num_rows` = devices × rows_per_device."""
+    """Steps of `cfg`'s documents. `num_rows` (devices × rows_per_device) is the rows path's
+    layout; without it only `next_pieces()` is available."""
 
-    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, num_rows: int) -> None:
+    def __init__(self, cfg: DataConfig, tokenizer: Tokenizer, num_rows: int | None = None) -> None:
         cfg.validate()
-        if num_rows < 1:
+        if num_rows is not None and num_rows < 1:
             raise ValueError(f"DataIterator: num_rows={num_rows} must be >= 1")
         self.cfg, self.tokenizer, self.num_rows = cfg, tokenizer, num_rows
         self.source: Source = open_source(cfg, vocab_size=tokenizer.vocab_size, eos_id=tokenizer.eos_id)
         self.stats = DataStats(self.source.describe())
-        # More than num_rows × the largest bucket can never be placed; taking it would only grow the carry.
-        self.budget = min(cfg.tokens_per_step, num_rows * max(cfg.row_buckets))
+        # More than num_rows × the largest bucket can never be packed; taking it would only grow the carry.
+        self.budget = cfg.tokens_per_step if num_rows is None else min(cfg.tokens_per_step,
+                                                                         num_rows * max(cfg.row_buckets))
         if self.budget < cfg.tokens_per_step:
             log.warning("data.tokens_per_step=%d exceeds num_rows=%d × largest row bucket %d: each step takes "
                         "at most %d tokens", cfg.tokens_per_step, num_rows, max(cfg.row_buckets), self.budget)
@@ -82,29 +88,47 @@ class DataIterator:
 
     # ------------------------------------------------------------------ stepping
 
-    def next(self) -> Batch:
+    def _take(self, budget: int) -> list[Piece]:
+        """The carry, then pieces in order while they fit `budget` tokens (at least one)."""
         taken, self._carry = self._carry, []
         total = sum(len(p) for p in taken)
-        carried = len(taken)
         while True:
             piece = self._peek()
-            if taken and total + len(piece) > self.budget:
-                break
+            if taken and total + len(piece) > budget:
+                return taken
             taken.append(piece)
             total += len(piece)
             self._piece += 1
+
+    def _count(self, step, slots: int) -> None:
+        s = self.stats
+        s.add("steps")
+        s.add("pieces_packed", len(step.doc_lengths))
+        s.add("tokens_packed", step.num_tokens)
+        s.add("targets_packed", step.num_targets)
+        s.add("padding_tokens", slots - step.num_tokens)
+        s.add("carried_pieces", len(self._carry))
+
+    def next(self) -> Batch:
+        """The rows path: the step's pieces packed into `num_rows` rows."""
+        if self.num_rows is None:
+            raise ValueError("DataIterator.next packs rows: build the iterator with num_rows "
+                             "(or take a planned step's pieces with next_pieces())")
+        carried = len(self._carry)
+        taken = self._take(self.budget)
         packing = pack_rows([len(p) for p in taken], self.num_rows, self.cfg.row_buckets,
                             priority=[1] * carried + [0] * (len(taken) - carried))
         self._carry = [taken[i] for i in packing.unplaced]
         batch = build_batch(taken, packing, self.num_rows, self.tokenizer.pad_id)
-        s = self.stats
-        s.add("steps")
-        s.add("pieces_packed", len(batch.doc_lengths))
-        s.add("tokens_packed", batch.num_tokens)
-        s.add("targets_packed", batch.num_targets)
-        s.add("padding_tokens", batch.tokens.size - batch.num_tokens)
-        s.add("carried_pieces", len(self._carry))
+        self._count(batch, batch.tokens.size)
         return batch
+
+    def next_pieces(self) -> StepPieces:
+        """A planned step: up to `data.tokens_per_step` tokens of pieces, unpacked, none carried
+        (padding is the planner's layout's, counted in the step's metrics)."""
+        step = StepPieces(self._take(self.cfg.tokens_per_step))
+        self._count(step, step.num_tokens)
+        return step
 
     __next__ = next
 

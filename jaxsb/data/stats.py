@@ -37,10 +37,10 @@ COUNTERS = (
     "dropped_long_targets",
     "epochs_completed",
     "steps",
-    "pieces_packed",
+    "pieces_packed",  # pieces handed to steps (packed into rows, or to a planner)
     "tokens_packed",
     "targets_packed",
-    "padding_tokens",
+    "padding_tokens",  # the rows path's padding (a planned step's is in its metrics)
     "carried_pieces",  # pieces that did not fit a step's rows and went to the next step
 )
 

@@ -58,110 +58,20 @@ the executor uses, and says so otherwise.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
-from kernels_pallas.common import NEG, check_qkv
+from jaxsb.parallel.ring_loop import RingConfig, axis_size, check_groups, ring_config, ring_loop, vma_full
+from kernels_pallas.common import NEG
 from kernels_pallas.ring_chunk import tables
-from kernels_pallas.ring_chunk.ops import (backward_with_blocks, check_interpreter_outside_vma,
-                                           forward_with_blocks, merge_chunks,
-                                           resolve_chunk_implementation)
+from kernels_pallas.ring_chunk.ops import backward_with_blocks, forward_with_blocks, merge_chunks
 from kernels_pallas.ring_chunk.tables import (FULL, PARTIAL, SKIP, ChunkBlocks,
                                               make_chunk_blocks)
 
-__all__ = ["FULL", "PARTIAL", "SKIP", "RingConfig", "block_kinds", "check_groups",
-           "ring_attention", "ring_block_counts"]
-
-
-# ----------------------------------------------------------------------------- layout
-
-
-# ----------------------------------------------------------------------------- schedule
-
-
-@dataclasses.dataclass(frozen=True)
-class RingConfig:
-    """Static description of one call: the mesh axis, its groups, the block size and the
-    chunk implementation ("xla" | "pallas" | "mosaic", already resolved; `interpret` for
-    Pallas)."""
-
-    axis_name: str
-    groups: tuple[tuple[int, int], ...]
-    block: int
-    implementation: str = "xla"
-    interpret: bool = False
-
-    @property
-    def max_degree(self) -> int:
-        return max(d for _, d in self.groups)
-
-    def degrees(self) -> np.ndarray:
-        """[N] int32: the degree of each device's group."""
-        return np.concatenate([np.full(d, d, np.int32) for _, d in self.groups])
-
-    def phases(self) -> list[tuple[int, int]]:
-        """Runs [lo, hi) of the middle rounds 1 .. max_degree-2 that use the same two
-        permutations (rings of degree >= r + 2 prefetch, rings of degree >= r + 1 computed)."""
-        runs: list[list[int]] = []
-        for r in range(1, self.max_degree - 1):
-            key = (self.shift_perm(r + 2), self.shift_perm(r + 1))
-            if runs and (self.shift_perm(runs[-1][0] + 2), self.shift_perm(runs[-1][0] + 1)) == key:
-                runs[-1][1] = r + 1
-            else:
-                runs.append([r, r + 1])
-        return [(lo, hi) for lo, hi in runs]
-
-    def shift_perm(self, min_degree: int) -> list[tuple[int, int]]:
-        """One step along every ring of degree >= min_degree (rank j -> j+1 mod degree)."""
-        return [
-            (s + j, s + (j + 1) % d) for s, d in self.groups if d >= min_degree for j in range(d)
-        ]
-
-
-def check_groups(groups, num_devices: int | None = None) -> tuple[tuple[int, int], ...]:
-    """Normalised groups; they must tile 0..num_devices-1 contiguously in order."""
-    try:
-        groups = tuple((int(s), int(d)) for s, d in groups)
-    except (TypeError, ValueError) as e:
-        raise ValueError(f"groups={groups!r} must be a tuple of (start, degree) pairs") from e
-    if not groups:
-        raise ValueError("groups must not be empty")
-    expect = 0
-    for s, d in groups:
-        if d < 1:
-            raise ValueError(f"group (start={s}, degree={d}) must have degree >= 1; {groups=}")
-        if s != expect:
-            raise ValueError(f"group (start={s}, degree={d}) must start at {expect}: groups "
-                             f"tile the axis contiguously in order; {groups=}")
-        expect = s + d
-    if num_devices is not None and expect != num_devices:
-        raise ValueError(f"groups cover {expect} devices but the axis has {num_devices}; {groups=}")
-    return groups
-
-
-def _axis_size(axis_name) -> int:
-    if hasattr(lax, "axis_size"):
-        return lax.axis_size(axis_name)
-    return lax.psum(1, axis_name)
-
-
-def _my_degree(cfg: RingConfig):
-    """This device's group degree (traced scalar), from the axis index and a static table."""
-    return jnp.asarray(cfg.degrees())[lax.axis_index(cfg.axis_name)]
-
-
-def _full(ref, shape, value=0.0):
-    """float32 constant of `shape` that varies over the same manual mesh axes as `ref`.
-
-    Constants made inside shard_map (initial carries, zero blocks) would otherwise be
-    replicated while everything computed from the inputs varies, and loop carries and switch
-    branches must agree; `lax.full_like` carries ref's varying axes over (check_vma=True)."""
-    return lax.full_like(ref, value, jnp.float32, shape)
+__all__ = ["FULL", "PARTIAL", "SKIP", "block_kinds", "ring_attention", "ring_block_counts"]
 
 
 # ----------------------------------------------------------------------------- block tables
@@ -189,60 +99,6 @@ def block_kinds(seg_q, pos_q, seg_k, pos_k, local: bool = True) -> jax.Array:
                                       tables.block_summaries(sk, pk, seg_k.shape[2]),
                                       b, seg_k.shape[2], local)
     return tables.shared_kinds(allowed, full)
-
-
-# ----------------------------------------------------------------------------- ring
-
-
-def _shift(x, cfg: RingConfig, min_degree: int):
-    return lax.ppermute(x, cfg.axis_name, cfg.shift_perm(min_degree))
-
-
-def _ring_round(cfg: RingConfig, step, r, local: bool, last: bool, ride, acc, carry):
-    """One round: prefetch the next round's `ride` (async with the compute that follows, which
-    reads the current one), run step, then pass `acc` on along the rings that computed."""
-    degree = _my_degree(cfg)
-    nxt = ride if last else _shift(ride, cfg, r + 2)  # rings with a round r + 1
-    acc, carry = step(degree > r, local, ride, acc, carry)
-    sent = max(2, r + 1)  # rings that computed in round r (degree 1 has nowhere to go)
-    if acc is not None and cfg.shift_perm(sent):
-        moved = _shift(acc, cfg, sent)
-        acc = jax.tree.map(lambda new, old: jnp.where(degree >= sent, new, old), moved, acc)
-    return nxt, acc, carry
-
-
-def _ring_loop(cfg: RingConfig, step, ride, acc, carry):
-    """Rounds r = 0 .. max_degree-1; in round r a device holds `ride` (and `acc`) of ring rank
-    (rank - r) mod degree. step(active, local, ride, acc, carry) -> (acc, carry); `active`
-    (traced bool) is False on devices whose ring has no round r (the step must not add
-    anything; their `acc` stays put); `local` (static) is True in round 0 only.
-
-    `ride` (read-only: k, v, ids) moves before the compute that does not need it, so the
-    transfer can overlap; `acc` (updated by step: dK, dV) moves after it. A ring of degree d
-    shifts `acc` d times in total, which brings it back to its owner. The middle rounds run as
-    lax.scans over runs of rounds with the same permutations, so the step is traced a handful
-    of times (3 for equal degrees), not max_degree times. Returns (acc, carry).
-    """
-    R = cfg.max_degree
-    ride, acc, carry = _ring_round(cfg, step, 0, True, R == 1, ride, acc, carry)
-    for lo, hi in cfg.phases():
-
-        def body(c, r, lo=lo):
-            # The permutations are those of round lo throughout the run; r only gates compute.
-            degree = _my_degree(cfg)
-            ride, acc, carry = c
-            nxt = _shift(ride, cfg, lo + 2)
-            acc, carry = step(degree > r, False, ride, acc, carry)
-            if acc is not None:
-                moved = _shift(acc, cfg, lo + 1)
-                acc = jax.tree.map(lambda new, old: jnp.where(degree > r, new, old), moved, acc)
-            return (nxt, acc, carry), None
-
-        (ride, acc, carry), _ = lax.scan(
-            body, (ride, acc, carry), jnp.arange(lo, hi, dtype=jnp.int32))
-    if R > 1:
-        _, acc, carry = _ring_round(cfg, step, R - 1, False, True, ride, acc, carry)
-    return acc, carry
 
 
 # ----------------------------------------------------------------------------- rounds
@@ -276,8 +132,8 @@ def _ring_forward(q, k, v, seg, pos, cfg: RingConfig):
                                            *_unride(ride, seg, pos), active)
         return None, merge_chunks(*state, out_r, lse_r)
 
-    state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
-    _, (out, lse) = _ring_loop(cfg, step, _ride(k, v, seg, pos), None, state)
+    state = (vma_full(q, q.shape), vma_full(q, q.shape[:3], NEG))
+    _, (out, lse) = ring_loop(cfg, step, _ride(k, v, seg, pos), None, state)
     return out.astype(q.dtype), lse
 
 
@@ -302,8 +158,8 @@ def _ring_bwd(cfg: RingConfig, res, do):
                                                 active)
         return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
-    dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos), _full(k, (B, T, 2 * K, D)),
-                         _full(q, q.shape))  # dkv is home
+    dkv, dq = ring_loop(cfg, step, _ride(k, v, seg, pos), vma_full(k, (B, T, 2 * K, D)),
+                        vma_full(q, q.shape))  # dkv is home
     return (dq.astype(q.dtype), dkv[:, :, :K].astype(k.dtype), dkv[:, :, K:].astype(v.dtype),
             None, None)
 
@@ -312,31 +168,6 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
 # ----------------------------------------------------------------------------- public
-
-
-def _check(q, k, v, seg, pos, axis_name, groups, block, implementation: str = "xla",
-           interpret: bool | None = None) -> RingConfig:
-    """Argument checks and the static RingConfig (ring_sparse.py reuses this: with its own
-    XLA rounds under the "xla" default, or with the Pallas chunk and its block rules)."""
-    if not q.dtype == k.dtype == v.dtype:
-        raise ValueError(f"q, k and v must share a dtype: {q.dtype=} {k.dtype=} {v.dtype=}")
-    B, T, _, _, _ = check_qkv(q, k, v, None)
-    for name, x in (("seg_BxT", seg), ("pos_BxT", pos)):
-        if tuple(x.shape) != (B, T):
-            raise ValueError(f"{name}.shape={tuple(x.shape)} must be (B, T)={(B, T)}")
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got {x.dtype=}")
-    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
-        raise ValueError(f"block={block!r} must be a positive int")
-    implementation, interpret = resolve_chunk_implementation(implementation, interpret)
-    check_interpreter_outside_vma(implementation, interpret, q)
-    groups = check_groups(groups, _axis_size(axis_name))
-    if implementation == "xla":  # the Pallas chunk clamps to a power of two itself
-        block = min(block, T)
-    make_chunk_blocks(T, T, q.shape[3], block, block, True, pallas=implementation != "xla",
-                      interpret=interpret, mosaic=implementation == "mosaic")  # errors now
-    return RingConfig(axis_name=axis_name, groups=groups, block=block,
-                      implementation=implementation, interpret=interpret)
 
 
 def ring_attention(
@@ -369,8 +200,8 @@ def ring_attention(
     inside the body of a psum'd loss comes out N times too large (psum transposes to psum);
     differentiate outside the shard_map, or keep check_vma=True.
     """
-    cfg = _check(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg_BxT, pos_BxT, axis_name, groups, block,
-                 implementation, interpret)
+    cfg = ring_config(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg_BxT, pos_BxT, axis_name, groups, block,
+                      implementation, interpret)
     seg = seg_BxT.astype(jnp.int32)
     pos = pos_BxT.astype(jnp.int32)
     return _ring(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg, pos, cfg)
@@ -381,7 +212,7 @@ def ring_block_counts(seg_BxT, pos_BxT, *, axis_name: str, groups, block: int = 
     the XLA chunk's blocking (block x block, table shared by the batch), summed over all
     rounds (the backward visits the same pairs). Call inside shard_map."""
     B, T = seg_BxT.shape
-    cfg = RingConfig(axis_name, check_groups(groups, _axis_size(axis_name)), min(block, T))
+    cfg = RingConfig(axis_name, check_groups(groups, axis_size(axis_name)), min(block, T))
     b = cfg.block
     Tp = -(-T // b) * b
     sq, pq = tables.pad_ids(seg_BxT, pos_BxT, Tp, tables.Q_FILL)
@@ -394,4 +225,4 @@ def ring_block_counts(seg_BxT, pos_BxT, *, axis_name: str, groups, block: int = 
         return None, count + (kinds != SKIP).sum(dtype=jnp.int32)
 
     sp = jnp.stack([seg_BxT.astype(jnp.int32), pos_BxT.astype(jnp.int32)], axis=-1)
-    return _ring_loop(cfg, step, sp, None, lax.full_like(sq, 0, jnp.int32, ()))[1]
+    return ring_loop(cfg, step, sp, None, lax.full_like(sq, 0, jnp.int32, ()))[1]

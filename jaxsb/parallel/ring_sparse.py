@@ -15,7 +15,7 @@ laid out in one row (each document starting on a block boundary):
    pooled keys / queries are the means over that document's e tokens of the block (queries
    also over the G query heads of a kv head), via the same within-block prefix sums.
 2. Circulation. The pooled keys, the blocks' segment ids and global indices go around each
-   ring (`ring._ring_loop`, one ppermute per round, idle rings skip), so every device holds
+   ring (`ring_loop.ring_loop`, one ppermute per round, idle rings skip), so every device holds
    its group's pooled stream in global block order.
 3. Routing, as route(): score = pooled q · pooled k / sqrt(D); eligible = same document and
    block index <= the query block's (causal at block level); diagonal first, then top-k by
@@ -66,7 +66,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from jaxsb.parallel.ring import RingConfig, _check as _ring_check, _full, _ring_loop
+from jaxsb.parallel.ring_loop import RingConfig, ring_config, ring_loop, vma_full
 from kernels_pallas.common import HI, NEG
 from kernels_pallas.ring_chunk.ops import (backward_with_blocks, forward_with_blocks,
                                            merge_chunks)
@@ -146,8 +146,8 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int):
         return None, (kg.at[:, idx].set(kb_r, mode="drop"), dg.at[:, idx].set(doc_r, mode="drop"))
 
     # _full / full_like: carries that vary over the axis like the data (shard_map check_vma)
-    carry = (_full(kbar, (B, nbg, K, D)), lax.full_like(doc, -1, jnp.int32, (B, nbg)))
-    _, (kg, dg) = _ring_loop(cfg, gather, (kbar, doc, gq), None, carry)
+    carry = (vma_full(kbar, (B, nbg, K, D)), lax.full_like(doc, -1, jnp.int32, (B, nbg)))
+    _, (kg, dg) = ring_loop(cfg, gather, (kbar, doc, gq), None, carry)
 
     scale = 1.0 / math.sqrt(D)
     s = jnp.einsum("bnkd,bjkd->bknj", qbar, kg, precision=HI) * scale  # [B,K,nb,nbg]
@@ -275,8 +275,8 @@ def _forward_xla(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
 
         return None, lax.fori_loop(0, visit.iterations(), body, state)
 
-    state = (_full(qb, qb.shape[:-1], NEG), _full(qb, qb.shape[:-1]), _full(qb, qb.shape))
-    _, (m, l, acc) = _ring_loop(cfg, step, ride, None, state)
+    state = (vma_full(qb, qb.shape[:-1], NEG), vma_full(qb, qb.shape[:-1]), vma_full(qb, qb.shape))
+    _, (m, l, acc) = ring_loop(cfg, step, ride, None, state)
     l = jnp.where(l == 0.0, 1.0, l)  # every query meets itself on its diagonal: not expected
     out = _from_q_blocks(acc / l[..., None]).astype(q.dtype)
     return out, m + jnp.log(l)
@@ -310,8 +310,8 @@ def _backward_xla(cfg: RingConfig, res, do):
         return (dk, dv), dq
 
     B, T = seg.shape
-    zeros_kv = _full(qb, (B, K, T // bs, bs, k.shape[3]))
-    (dk, dv), dq = _ring_loop(cfg, step, ride, (zeros_kv, zeros_kv), _full(qb, qb.shape))
+    zeros_kv = vma_full(qb, (B, K, T // bs, bs, k.shape[3]))
+    (dk, dv), dq = ring_loop(cfg, step, ride, (zeros_kv, zeros_kv), vma_full(qb, qb.shape))
     dq = (_from_q_blocks(dq) * (1.0 / math.sqrt(q.shape[3]))).astype(q.dtype)
     return dq, _from_kv_blocks(dk).astype(k.dtype), _from_kv_blocks(dv).astype(v.dtype)
 
@@ -353,8 +353,8 @@ def _forward_pallas(q, k, v, seg, pos, s_owner, s_local, cfg: RingConfig):
                                            seg_r, pos_r, active, sel)
         return None, merge_chunks(*state, out_r, lse_r)
 
-    state = (_full(q, q.shape), _full(q, q.shape[:3], NEG))
-    _, (out, lse) = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), None, state)
+    state = (vma_full(q, q.shape), vma_full(q, q.shape[:3], NEG))
+    _, (out, lse) = ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), None, state)
     return out.astype(q.dtype), lse
 
 
@@ -372,8 +372,8 @@ def _backward_pallas(cfg: RingConfig, res, do):
                                                 sel)
         return dkv + jnp.concatenate([dk_r, dv_r], axis=2), dq + dq_r
 
-    dkv, dq = _ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), _full(k, (B, T, 2 * K, D)),
-                         _full(q, q.shape))  # dkv is home
+    dkv, dq = ring_loop(cfg, step, _ride(k, v, seg, pos, cfg), vma_full(k, (B, T, 2 * K, D)),
+                        vma_full(q, q.shape))  # dkv is home
     return dq.astype(q.dtype), dkv[:, :, :K].astype(k.dtype), dkv[:, :, K:].astype(v.dtype)
 
 
@@ -413,7 +413,7 @@ def _check(q, k, v, seg, pos, budgets, axis_name, groups, block_size, max_blocks
         raise ValueError(f"tokens per device T={T} must be a multiple of 2*block_size="
                          f"{2 * block_size} (two zigzag chunks of whole blocks)")
     # the Pallas chunk's blocks are the routing blocks (compiled: a power of two >= 16)
-    cfg = _ring_check(q, k, v, seg, pos, axis_name, groups, block_size, implementation,
+    cfg = ring_config(q, k, v, seg, pos, axis_name, groups, block_size, implementation,
                       interpret)
     if tuple(jnp.shape(budgets)) != (B, T) or not jnp.issubdtype(jnp.asarray(budgets).dtype, jnp.integer):
         raise ValueError(f"budgets_BxT must be integer (B, T)={(B, T)}, got shape "

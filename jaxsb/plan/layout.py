@@ -47,24 +47,6 @@ class SeqData:
         return len(self.tokens)
 
 
-def sequences_from_rows(tokens, targets, loss_mask, segment_ids, positions) -> list[SeqData]:
-    """Cuts packed rows [R, T] (documents = contiguous runs of one nonzero segment id) back into
-    sequences, in row-major order."""
-    out = []
-    for r in range(tokens.shape[0]):
-        seg = np.asarray(segment_ids[r])
-        starts = np.flatnonzero(np.diff(np.concatenate([[0], seg])) != 0)
-        for s in starts:
-            if seg[s] == 0:
-                continue
-            e = s
-            while e < len(seg) and seg[e] == seg[s]:
-                e += 1
-            out.append(SeqData(np.asarray(tokens[r, s:e]), np.asarray(targets[r, s:e]),
-                               np.asarray(loss_mask[r, s:e], np.float32), np.asarray(positions[r, s:e])))
-    return out
-
-
 class _Stream:
     """Sequences concatenated (each padded to `align`), as per-field arrays."""
 

@@ -5,11 +5,14 @@ command line.
 Convention (FlexSP's benchmark): each length is padded up to a multiple of 2·N, lengths above
 L − 2·N are dropped (counted and reported), and batch i is lengths[B·i : B·(i+1)] of what
 remains. `run` returns per planner its per-step plans (`describe_plan`), modelled times,
-solve times and lower bounds; `format_table` and `write_plots` present them.
+solve times and lower bounds; `format_table` and `write_plots` present them. The command
+line's settings are checked and turned into a cost model and planners here too
+(`resolve_devices`, `preset_options`, `make_planners`); errors are ValueError with the flag.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 from typing import Iterable, Sequence
@@ -19,6 +22,67 @@ import numpy as np
 from jaxsb.planner.cost import group_times_ms, plan_memory_mb
 
 DISTRIBUTIONS = ("long-tail", "bimodal", "long-sft")
+
+
+# ------------------------------------------------------------------------------- settings
+
+
+def parse_value(text: str):
+    """A KEY=VALUE option's value: JSON where it parses (numbers, lists, booleans), else text."""
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def resolve_devices(devices: int | None, dp: int | None, cp: int | None, global_batch: int = 1, steps: int = 1,
+                    max_len: int = 1) -> int:
+    """N from --devices, or --dp x --cp (which must agree with it), else 64; every size >= 1."""
+    n = devices
+    if dp or cp:
+        if not (dp and cp):
+            raise ValueError("--dp and --cp go together")
+        if n is not None and n != dp * cp:
+            raise ValueError(f"--devices {n} != --dp {dp} x --cp {cp}")
+        n = dp * cp
+    n = 64 if n is None else n
+    for flag, v in (("--devices", n), ("--global-batch", global_batch), ("--steps", steps), ("--max-len", max_len)):
+        if v < 1:
+            raise ValueError(f"{flag} {v} must be >= 1")
+    return n
+
+
+def preset_options(preset: str, num_devices: int, max_len: int, items: Sequence[str]) -> dict:
+    """The cost model's options: FlexSP's profile scales with N and L; --preset-option KEY=VALUE."""
+    options = dict(num_devices=num_devices, max_len=max_len) if preset.startswith("flexsp-a100:") else {}
+    for item in items:
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise ValueError(f"--preset-option {item!r}: expected KEY=VALUE")
+        options[key] = parse_value(val)
+    return options
+
+
+def make_planners(names: Sequence[str], items: Sequence[str], cost, num_devices: int, time_limit_s=None,
+                  dp=None, cp=None) -> tuple[dict, dict]:
+    """({name: planner}, {name: its --planner-option NAME.KEY=VALUE options}); the options start
+    from the registry's mapping (the same as training's)."""
+    from jaxsb.planner.registry import make_planner, planner_options
+
+    per_planner: dict[str, dict] = {name: {} for name in names}
+    for item in items:
+        key, sep, val = item.partition("=")
+        pname, dot, opt = key.partition(".")
+        if not sep or not dot:
+            raise ValueError(f"--planner-option {item!r}: expected NAME.KEY=VALUE")
+        if pname not in per_planner:
+            raise ValueError(f"--planner-option {item!r}: planner {pname!r} is not among --planner {list(names)}")
+        per_planner[pname][opt] = parse_value(val)
+    planners = {}
+    for name in names:
+        opts = planner_options(name, num_devices, time_limit_s=time_limit_s, degree=cp, dp=dp, cp=cp)
+        planners[name] = make_planner(name, cost, num_devices, **(opts | per_planner[name]))
+    return planners, per_planner
 
 
 # ------------------------------------------------------------------------------- lengths
@@ -163,6 +227,20 @@ def format_table(results: dict) -> str:
         lines.append(f"{name:<16} {r['total_ms'] / 1000:>10.2f} {sp:>9} {r['mean_solve_seconds']:>14.3f} "
                      f"{r['max_solve_seconds']:>9.3f} {gap:>7} {r['fell_back_steps']:>9}")
     return "\n".join(lines)
+
+
+def describe_run(cost, num_devices: int, batches: Sequence[Sequence[int]]) -> str:
+    return (f"cost model {cost.name}, {num_devices} devices, memory limit {cost.memory_limit_mb / 1024:.1f} GB, "
+            f"{len(batches)} steps of {len(batches[0])} sequences "
+            f"({sum(map(sum, batches)) / len(batches) / 1e6:.2f}M tokens per step)")
+
+
+def write_report(path: str, config: dict, dropped: int, scanned: int, results: dict) -> str:
+    """The run's settings, its dropped/scanned counts and every planner's per-step results, as JSON."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(dict(config=config, dropped=dropped, scanned=scanned, planners=results), f, indent=1)
+    return path
 
 
 # --------------------------------------------------------------------------------- plots

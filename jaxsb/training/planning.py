@@ -1,7 +1,7 @@
-"""Per-step planning for the training loop: batch -> sequences -> Plan -> admitted template.
+"""Per-step planning for the training loop: the step's pieces -> sequences -> Plan -> admitted template.
 
-`StepPlanner.plan(batch)` cuts the data iterator's packed rows back into sequences, asks the
-configured planner (`parallel.planner`, on the cost model `parallel.preset`) for a Plan and
+`StepPlanner.plan(step)` turns the data iterator's pieces (`StepPieces`, never packed into
+rows) into sequences, asks the configured planner (`parallel.planner`, on the cost model `parallel.preset`) for a Plan and
 times it. It is pure host work (numpy / python-mip), so the trainer runs it for step t+1 in a
 background thread while step t runs.
 
@@ -27,20 +27,31 @@ from typing import Sequence
 import numpy as np
 
 from jaxsb.config import Config, ModelConfig
-from jaxsb.data import Batch
-from jaxsb.plan.layout import SeqData, sequences_from_rows
+from jaxsb.data import Piece, StepPieces
+from jaxsb.plan.layout import SeqData
 from jaxsb.plan import GroupSpec, Plan, Runnable, Template, build_plan
 from jaxsb.planner.base import SolveInfo
 
 
+def sequence_of_piece(piece: Piece) -> SeqData:
+    """A piece as the executor's sequence: token j's target is token j+1 of the same piece,
+    trained where the piece's flags say; the last token has no target (masked)."""
+    n = len(piece)
+    targets = np.zeros(n, np.int32)
+    targets[:-1] = piece.ids[1:]
+    loss_mask = np.zeros(n, np.float32)
+    loss_mask[:-1] = piece.flags[1:]
+    return SeqData(np.asarray(piece.ids, np.int32), targets, loss_mask, np.arange(n, dtype=np.int32))
+
+
 @dataclasses.dataclass
-class PlannedBatch:
-    batch: Batch
+class PlannedStep:
+    step: StepPieces
     seqs: list[SeqData]
     plan: Plan
     solve_s: float
     info: SolveInfo
-    data_state: dict | None = None  # the iterator's state right after this batch was drawn
+    data_state: dict | None = None  # the iterator's state right after this step was drawn
 
 
 SHIPPED_PRESETS = {  # calibrated on this project's CPU machine by `python -m jaxsb.calibrate`
@@ -79,15 +90,14 @@ class StepPlanner:
                                   runnable=self.runnable)
         self.planner = make_planner(p.planner, self.cost, num_devices, **options)
 
-    def plan(self, batch: Batch) -> PlannedBatch:
-        seqs = sequences_from_rows(batch.tokens, batch.targets, batch.loss_mask, batch.segment_ids,
-                                   batch.positions)
+    def plan(self, step: StepPieces) -> PlannedStep:
+        seqs = [sequence_of_piece(p) for p in step.pieces]
         lengths = [len(s) for s in seqs]
         budgets = [self.model_cfg.sparse.top_k] * len(seqs)
         t0 = time.perf_counter()
         solution = self.planner.solve(lengths, budgets)
         solve_s = time.perf_counter() - t0
-        return PlannedBatch(batch, seqs, solution.plan, solve_s, solution.info)
+        return PlannedStep(step, seqs, solution.plan, solve_s, solution.info)
 
     def fallback(self, plan: Plan) -> Plan:
         """Every sequence sharded over one ring of all devices, one micro-batch: any lengths fit

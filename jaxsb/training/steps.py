@@ -1,6 +1,6 @@
-"""How each step's program and arguments are prepared: packed rows (`RowSteps`) or a plan
-(`PlannedSteps`: the planner for step t+1 runs in a background thread while step t runs), each
-with its compile cache (one program per batch shape / per plan template)."""
+"""How each step's program and arguments are prepared: packed rows (`RowSteps`) or a plan of
+the step's pieces (`PlannedSteps`: the planner for step t+1 runs in a background thread while
+step t runs), each with its compile cache (one program per batch shape / per plan template)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from jax.sharding import Mesh
 
 from jaxsb import mesh as mesh_lib
 from jaxsb.config import Config, ModelConfig
-from jaxsb.data import Batch, DataError, DataIterator
+from jaxsb.data import Batch, DataError, DataIterator, StepPieces
 from jaxsb.devices import forget, global_array, process_index, share_from_main
 from jaxsb.plan import Template
 from jaxsb.programs import ProgramCache
@@ -56,27 +56,17 @@ def batch_to_device(batch: Batch, sharding) -> dict[str, jax.Array]:
     return {name: global_array(np.asarray(getattr(batch, name)), sharding) for name in BATCH_FIELDS}
 
 
-def batch_digest(batch: Batch) -> str:
-    """A fingerprint of a step's data, to check that every process drew the same batch."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name in BATCH_FIELDS:
-        h.update(np.ascontiguousarray(getattr(batch, name)).tobytes())
-    return h.hexdigest()
-
-
 @dataclasses.dataclass
 class PreparedStep:
     """One step ready to dispatch: the compiled program, its arguments and what to log."""
 
-    batch: Batch
+    doc_lengths: list[int]  # the step's pieces
     compiled: Any
     args: tuple
     is_new: bool
     compile_s: float
     data_state: dict
-    record: dict  # extra metrics (the plan's summary, solve time, ...)
+    record: dict  # the layout's metrics (rows and padding, or the plan's summary, solve time, ...)
 
 
 class RowSteps:
@@ -92,18 +82,20 @@ class RowSteps:
         arrays = batch_to_device(batch, self.sharding)
         c0 = self.compiler.compile_seconds
         compiled, is_new = self.compiler.get(state, arrays)
-        return PreparedStep(batch, compiled, (arrays,), is_new, self.compiler.compile_seconds - c0,
-                            self.data.state(), {})
+        record = {"rows": int(batch.tokens.shape[0]), "row_len": int(batch.tokens.shape[1]),
+                  "padding_frac": 1.0 - batch.num_tokens / batch.tokens.size}
+        return PreparedStep(batch.doc_lengths, compiled, (arrays,), is_new, self.compiler.compile_seconds - c0,
+                            self.data.state(), record)
 
     def close(self) -> None:
         pass
 
 
 class PlannedSteps:
-    """A planner lays each step's sequences out over the devices (jaxsb/training/planning.py);
+    """A planner lays each step's pieces out over the devices (jaxsb/training/planning.py);
     the plan for step t+1 is made in a background thread while step t runs.
 
-    With several processes, every process draws the same batch but only process 0 plans (a
+    With several processes, every process draws the same pieces but only process 0 plans (a
     time-limited solver need not give the same plan twice); the others receive its plan."""
 
     def __init__(self, cfg: Config, model_cfg: ModelConfig, data: DataIterator, state_shardings, graphdef,
@@ -118,24 +110,23 @@ class PlannedSteps:
         self.compiler = PlanCompiler(graphdef, rest, tx, model_cfg, mesh, state_shardings)
         self.pool = ThreadPoolExecutor(1) if cfg.parallel.background_planning else None
         self.pending = None
-        self.drawn = 0  # batches drawn: the same count on every process
+        self.drawn = 0  # steps drawn: the same count on every process
 
     def _draw_and_plan(self):
-        batch = self.data.next()
+        step = self.data.next_pieces()
         data_state = self.data.state()
         self.drawn += 1
-        planned = self.planner.plan(batch) if jax.process_count() == 1 else self._shared_plan(batch, self.drawn)
+        planned = self.planner.plan(step) if jax.process_count() == 1 else self._shared_plan(step, self.drawn)
         planned.data_state = data_state
         return planned
 
-    def _shared_plan(self, batch: Batch, n: int):
-        from jaxsb.plan.layout import sequences_from_rows
-        from jaxsb.training.planning import PlannedBatch
+    def _shared_plan(self, step: StepPieces, n: int):
+        from jaxsb.training.planning import PlannedStep, sequence_of_piece
 
-        digest, mine = batch_digest(batch), {}
+        digest, mine = step.digest(), {}
 
         def plan_on_main():
-            mine["planned"] = self.planner.plan(batch)
+            mine["planned"] = self.planner.plan(step)
             p = mine["planned"]
             return digest, p.plan, p.solve_s, p.info
 
@@ -146,14 +137,12 @@ class PlannedSteps:
         if n > 3:
             forget(f"jaxsb/plan/{n - 3}")
         if main_digest != digest:
-            raise DataError(f"process {process_index()} drew a different batch than process 0 for step "
+            raise DataError(f"process {process_index()} drew different data than process 0 for step "
                             f"{n} of this launch: every process must read the same data (same files, same "
                             "data.* and tokenizer settings)")
         if "planned" in mine:
             return mine["planned"]
-        seqs = sequences_from_rows(batch.tokens, batch.targets, batch.loss_mask, batch.segment_ids,
-                                   batch.positions)
-        return PlannedBatch(batch, seqs, plan, solve_s, info)
+        return PlannedStep(step, [sequence_of_piece(p) for p in step.pieces], plan, solve_s, info)
 
     def prepare(self, state, more: bool = True) -> PreparedStep:
         """`more`: another step follows (so its plan is started in the background)."""
@@ -171,11 +160,13 @@ class PlannedSteps:
                      f"{self.budget.max_programs}")
         plan = adm.plan
         arrays = layout_plan(plan, planned.seqs, self.model_cfg, self.mesh)
-        num_targets = jnp.asarray(float(planned.batch.num_targets), jnp.float32)
+        num_targets = jnp.asarray(float(planned.step.num_targets), jnp.float32)
         c0 = self.compiler.compile_seconds
         compiled, is_new = self.compiler.get(plan.template, state, arrays, num_targets)
         load_max, load_mean = load_balance(plan, self.planner.cost)
+        slots = self.mesh.devices.size * sum(mb.tokens_per_device for mb in plan.template.microbatches)
         record = {
+            "padding_frac": 1.0 - planned.step.num_tokens / slots,
             "plan": plan.summary(), "planner": plan.planner or self.planner.cfg.parallel.planner,
             "plan_admission": adm.how, "microbatches": len(plan.template.microbatches),
             "tokens_per_device": [mb.tokens_per_device for mb in plan.template.microbatches],
@@ -185,7 +176,7 @@ class PlannedSteps:
             "plan_solve_s": planned.solve_s, "plan_wait_s": wait_s,
             "plan_fell_back": planned.info.fell_back,
         }
-        return PreparedStep(planned.batch, compiled, (arrays, num_targets), is_new,
+        return PreparedStep(planned.step.doc_lengths, compiled, (arrays, num_targets), is_new,
                             self.compiler.compile_seconds - c0, planned.data_state, record)
 
     def close(self) -> None:

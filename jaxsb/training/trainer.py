@@ -69,7 +69,8 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
     num_devices = mesh.devices.size
     model_cfg, tokenizer, pretrained = load_model_and_tokenizer(cfg, workdir)
     graphdef, rest, tx, state, shardings = build_model_fns(model_cfg, cfg.train, mesh, cfg.parallel.fsdp, pretrained)
-    num_rows = num_devices * cfg.data.rows_per_device
+    rows_path = cfg.parallel.planner == "none"
+    num_rows = num_devices * cfg.data.rows_per_device if rows_path else None  # planned steps take pieces
     data = DataIterator(cfg.data, tokenizer, num_rows)
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
 
@@ -82,11 +83,11 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         log(f"resumed from {ckpt.directory} at step {start}")
     n_params = sum(x.size for x in jax.tree.leaves(state["params"]))
     processes = f" on {jax.process_count()} processes" if jax.process_count() > 1 else ""
+    layout = f"{num_rows} rows per step" if rows_path else f"planner {cfg.parallel.planner}"
     log(f"jaxsb: {n_params / 1e6:.2f}M parameters, {num_devices} {jax.devices()[0].platform} devices{processes}, "
-        f"{num_rows} rows per step, tokenizer vocab {tokenizer.vocab_size}, planner {cfg.parallel.planner}, "
-        f"workdir {workdir}")
+        f"{layout}, tokenizer vocab {tokenizer.vocab_size}, workdir {workdir}")
 
-    if cfg.parallel.planner == "none":
+    if rows_path:
         steps = RowSteps(data, shardings, graphdef, rest, tx, mesh)
     else:
         steps = PlannedSteps(cfg, model_cfg, data, shardings, graphdef, rest, tx, mesh, log)
@@ -110,18 +111,15 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         step_time = now - last_done - paused_s
         last_done, paused_s = now, 0.0
         prepared: PreparedStep = p["prepared"]
-        batch = prepared.batch
-        tokens = int(sum(batch.doc_lengths))
+        tokens = int(sum(prepared.doc_lengths))
         sparse_blocks = float(metrics["sparse_blocks"]) if "sparse_blocks" in metrics else None
-        flops = useful_train_flops(model_cfg, batch.doc_lengths, sparse_blocks)
+        flops = useful_train_flops(model_cfg, prepared.doc_lengths, sparse_blocks)
         record = {
             "step": p["step"], "loss": float(metrics["loss"]), "tokens": tokens,
             "targets": int(metrics["targets"]), "step_time_s": step_time,
             "tokens_per_s": tokens / step_time if step_time > 0 else 0.0,
             "lr": float(schedule(p["step"] - 1)), "grad_norm": float(metrics["grad_norm"]),
-            "rows": int(batch.tokens.shape[0]), "row_len": int(batch.tokens.shape[1]),
-            "docs": len(batch.doc_lengths),
-            "padding_frac": 1.0 - tokens / batch.tokens.size,
+            "docs": len(prepared.doc_lengths),
             "compiles": compiler.count, "compiled_now": prepared.is_new, "compile_s": prepared.compile_s,
             "useful_tflops": flops / 1e12,
             "mfu": flops / (step_time * peak * num_devices) if peak and step_time > 0 else None,

@@ -13,7 +13,7 @@ import tokenizers
 from jaxsb.config import DataConfig, TokenizerConfig
 from jaxsb.data import (
     ATTENTION_COST_C, DataError, DataIterator, DataStats, Document, Tokenizer, build_tokenizer, byte_tokenizer,
-    cost, cut_pieces, encode_document, open_source, pack_rows,
+    StepPieces, cost, cut_pieces, encode_document, open_source, pack_rows,
 )
 from jaxsb.data.sources import render_chat
 
@@ -91,9 +91,25 @@ def assert_no_loss(it: DataIterator):
 
 
 def same_batch(a, b):
-    for name in ("tokens", "targets", "segment_ids", "positions", "loss_mask"):
-        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    """Two steps hold the same data: packed rows (Batch) or a planned step's pieces (StepPieces)."""
+    if isinstance(a, StepPieces):
+        assert [p.ref for p in a.pieces] == [p.ref for p in b.pieces]
+        for p, q in zip(a.pieces, b.pieces):
+            np.testing.assert_array_equal(p.ids, q.ids)
+            np.testing.assert_array_equal(p.flags, q.flags)
+    else:
+        for name in ("tokens", "targets", "segment_ids", "positions", "loss_mask"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     assert a.doc_lengths == b.doc_lengths and a.doc_origins == b.doc_origins and a.num_targets == b.num_targets
+
+
+def iterator(cfg, layout: str, rows: int) -> tuple[DataIterator, object]:
+    """An iterator and its step function: the rows path ("rows") or a planned step's pieces."""
+    if layout == "rows":
+        it = DataIterator(cfg, BYTES, rows)
+        return it, it.next
+    it = DataIterator(cfg, BYTES)
+    return it, it.next_pieces
 
 
 # ----------------------------------------------------------------------------- tokenizers
@@ -519,6 +535,41 @@ def test_carry_when_pieces_do_not_fit_rows(tmp_path):
         assert_no_loss(it)
 
 
+def test_planned_steps_take_pieces_unpacked_and_lose_none(tmp_path):
+    """next_pieces(): a planned step gets the pieces in reading order up to data.tokens_per_step
+    (never the rows' capacity), nothing is carried, every target of an epoch comes exactly once,
+    and where the rows path carries nothing both paths hand out the same pieces."""
+    texts = write_corpus(tmp_path, n=20)
+    cfg = small_cfg(kind="text", path=str(tmp_path), extensions=(".txt",), max_len=128, tokens_per_step=512)
+    it = DataIterator(cfg, BYTES)
+    with pytest.raises(ValueError, match="num_rows"):
+        it.next()
+    seen: dict[str, list[tuple[int, list[int]]]] = {}
+    steps = []
+    while it.stats["epochs_completed"] < 1:
+        step = it.next_pieces()
+        steps.append(step)
+        assert step.num_tokens <= cfg.tokens_per_step or len(step.pieces) == 1
+        assert it.state()["carry"] == [] and it.stats["carried_pieces"] == 0
+        assert_no_loss(it)
+        for p in step.pieces:
+            if p.ref[0] == 0:
+                seen.setdefault(os.path.basename(p.origin), []).append(
+                    (p.ref[2], [int(t) for t, m in zip(p.ids[1:], p.flags[1:]) if m]))
+    refs = [p.ref for s in steps for p in s.pieces]
+    assert refs == sorted(refs), "reading order"
+    for i, text in enumerate(texts):
+        pieces = sorted(seen.get(f"f{i:03d}.txt", []))
+        if text.strip():
+            assert sum((t for _, t in pieces), []) == list(text.encode())[1:] + [BYTES.eos_id]
+    # 8 rows of 512 hold any 512 tokens: the rows path carries nothing and takes the same pieces
+    rows = DataIterator(dataclasses.replace(cfg, row_buckets=(512,)), BYTES, 8)
+    for step in steps[:6]:
+        batch = rows.next()
+        assert sorted(batch.doc_refs) == step.doc_refs and batch.num_targets == step.num_targets
+    assert rows.stats["carried_pieces"] == 0
+
+
 # ----------------------------------------------------------------------------- determinism and resume
 
 
@@ -536,8 +587,8 @@ def test_deterministic_and_reshuffled_per_epoch(tmp_path):
     assert epoch_permutation(len(src), 3, 0).tolist() != epoch_permutation(len(src), 3, 1).tolist()
 
 
-@pytest.mark.parametrize("kind", ["text", "carry"])
-def test_resume_is_exact_mid_epoch_and_across_epoch_boundary(tmp_path, kind):
+@pytest.mark.parametrize("kind, layout", [("text", "rows"), ("carry", "rows"), ("text", "pieces")])
+def test_resume_is_exact_mid_epoch_and_across_epoch_boundary(tmp_path, kind, layout):
     if kind == "text":
         write_corpus(tmp_path, n=12)
         cfg = small_cfg(kind="text", path=str(tmp_path), extensions=(".txt",), max_len=128,
@@ -548,20 +599,20 @@ def test_resume_is_exact_mid_epoch_and_across_epoch_boundary(tmp_path, kind):
         write_jsonl(path, [json.dumps({"text": "x" * (34 + i % 11)}) for i in range(9)])
         cfg = DataConfig(kind="jsonl", path=str(path), max_len=64, tokens_per_step=128, row_buckets=(64,), seed=2)
         rows = 2
-    ref = DataIterator(cfg, BYTES, rows)
+    ref, step = iterator(cfg, layout, rows)
     batches, states = [], []
     while ref.stats["epochs_completed"] < 3:
         states.append(json.loads(json.dumps(ref.state())))
-        batches.append(ref.next())
+        batches.append(step())
     boundary = [i for i in range(1, len(states)) if states[i]["position"][0] != states[i - 1]["position"][0]]
     assert boundary, "the run crosses an epoch boundary"
     if kind == "carry":
         assert any(s["carry"] for s in states), "some saved states hold carried pieces"
     for start in sorted({1, len(states) // 2, boundary[0], boundary[0] - 1, len(states) - 2}):
-        it = DataIterator(cfg, BYTES, rows)
+        it, step = iterator(cfg, layout, rows)
         it.restore(states[start])
         for i in range(start, min(start + 4, len(batches))):
-            same_batch(it.next(), batches[i])
+            same_batch(step(), batches[i])
             assert it.state()["stats"] == (states[i + 1]["stats"] if i + 1 < len(states) else ref.state()["stats"])
     assert len(json.dumps(states[-1])) < 4000, "state is small"
 

@@ -28,7 +28,7 @@ from attention_inputs import packed_stream
 from ring_sparse_problems import ALL, BS, N, SPEC, ring_groups, ring_problem, ring_reference, ring_values
 
 from jaxsb.parallel import ring_sparse
-from jaxsb.parallel.ring import RingConfig
+from jaxsb.parallel.ring_loop import RingConfig
 from jaxsb.plan.layout import zigzag_layout
 from jaxsb.parallel.ring_sparse import ring_sparse_attention
 from kernels_pallas.common import NEG

@@ -18,8 +18,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jax import shard_map
 
-from jaxsb.parallel.ring import (FULL, PARTIAL, SKIP, block_kinds, check_groups, ring_attention,
-                                 ring_block_counts)
+from jaxsb.parallel.ring import FULL, PARTIAL, SKIP, block_kinds, ring_attention, ring_block_counts
+from jaxsb.parallel.ring_loop import check_groups
 from jaxsb.plan.layout import zigzag_layout
 from kernels_pallas.flash_attention.reference import attention_reference
 from attention_inputs import packed_stream

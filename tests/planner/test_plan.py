@@ -6,7 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
-from jaxsb.plan.layout import SeqData, layout_microbatch, sequences_from_rows, single_device_layout
+from jaxsb.plan.layout import SeqData, layout_microbatch
 from jaxsb.training.planning import ProgramBudget, widen
 from jaxsb.plan import (BUFFER_BUCKETS, SHARDED, GroupSpec, Placement, PlanError, bucket, build_plan,
                                 executable_problem, validate)
@@ -125,11 +125,30 @@ def test_ring_layout_is_zigzag():
     assert buf["positions"][3].tolist() == list(range(24, 32)) + list(range(32, 40))
 
 
-def test_sequences_from_rows_inverts_packing():
-    seqs = _seqs([5, 3, 7])
-    row = single_device_layout(seqs, [0, 0, 0])
-    back = sequences_from_rows(row["tokens"], row["targets"], row["loss_mask"], row["segment_ids"], row["positions"])
-    assert [s.tokens.tolist() for s in back] == [s.tokens.tolist() for s in seqs]
+def test_planned_pieces_are_the_sequences_the_rows_hold():
+    """A planned step's sequences (the data iterator's pieces, never packed) carry exactly the
+    tokens, targets, mask and positions the rows path packs for the same pieces."""
+    from jaxsb.data import Piece, pack_rows
+    from jaxsb.data.batching import build_batch
+    from jaxsb.training.planning import sequence_of_piece
+
+    rng = np.random.default_rng(0)
+    pieces = [Piece(rng.integers(1, 50, n).astype(np.int32), rng.random(n) < 0.8, (0, i, 0), f"doc{i}")
+              for i, n in enumerate([5, 3, 7, 2, 9])]
+    batch = build_batch(pieces, pack_rows([len(p) for p in pieces], 2, (16,)), 2, pad_id=0)
+    k = 0
+    for r in range(2):  # the rows' documents, in packing order: contiguous runs of one segment id
+        for seg in range(1, int(batch.segment_ids[r].max()) + 1):
+            idx = np.flatnonzero(batch.segment_ids[r] == seg)
+            want = pieces[batch.doc_refs[k][1]]
+            got = sequence_of_piece(want)
+            assert got.tokens.tolist() == batch.tokens[r, idx].tolist()
+            assert got.positions.tolist() == batch.positions[r, idx].tolist()
+            assert got.loss_mask.tolist() == batch.loss_mask[r, idx].tolist()
+            trained = got.loss_mask > 0
+            assert got.targets[trained].tolist() == batch.targets[r, idx][trained].tolist()
+            k += 1
+    assert k == len(pieces)
 
 
 def test_program_budget_widens_then_falls_back():

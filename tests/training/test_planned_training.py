@@ -28,9 +28,15 @@ def _run(bpe, tmp_path, name, *overrides):
         return result, [json.loads(line) for line in f]
 
 
+# The rows path packs each step into 8 rows and carries what fits no row; a planned step takes
+# the step's pieces as they are. One 1024-token bucket holds any 3072 tokens of pieces of at most
+# max_len=256 in 8 rows, so the rows reference carries nothing and trains the same data.
+NO_CARRY_ROWS = "data.row_buckets=[1024]"
+
+
 @pytest.fixture(scope="module")
 def rows_run(tmp_path_factory, session_bpe):
-    return _run(session_bpe, tmp_path_factory.mktemp("rows"), "rows", "parallel.planner=none")
+    return _run(session_bpe, tmp_path_factory.mktemp("rows"), "rows", "parallel.planner=none", NO_CARRY_ROWS)
 
 
 # static = rows is also checked across processes (tests/parallel/test_multiprocess.py)
@@ -41,7 +47,7 @@ def rows_run(tmp_path_factory, session_bpe):
 def test_every_planner_trains_the_same_model(rows_run, tmp_path, planner, extra, session_bpe):
     _, want = rows_run
     _, got = _run(session_bpe, tmp_path, planner, f"parallel.planner={planner}", *extra)
-    assert [r["tokens"] for r in got] == [r["tokens"] for r in want]
+    assert [(r["tokens"], r["docs"]) for r in got] == [(r["tokens"], r["docs"]) for r in want]
     np.testing.assert_allclose([r["loss"] for r in got], [r["loss"] for r in want], **tol("planner_loss", np.float32))
     for r in got:
         assert r["planner"] in (planner, "fallback") and r["plan"]
@@ -72,12 +78,15 @@ def test_default_config_trains_with_every_planner(tmp_path, attention, session_b
     """The main job's config as a new user runs it (`python -m jaxsb.train --set
     parallel.planner=...`), a few short steps: every planner runs (skrull's default CP group of
     all devices used to crash on micro-batches with no sharded sequence) and trains the same
-    model as the rows path, dense and sparse."""
-    losses = {}
+    model as the rows path, dense and sparse. (The rows reference packs into one 2048-token bucket,
+    which holds any 4096 tokens of pieces of at most 1024 in 8 rows: it carries nothing, so it
+    trains the same pieces as the planned steps.)"""
+    losses, steps = {}, {}
     for planner in ("none",) + PLANNERS:
+        rows = ["data.row_buckets=[2048]"] if planner == "none" else []
         cfg = session_bpe.seed(load_config("default", [
             f"train.workdir={tmp_path / planner}", "train.steps=2", "train.checkpoint_every=100",
-            "data.tokens_per_step=4096", f"model.attention={attention}", f"parallel.planner={planner}"]))
+            "data.tokens_per_step=4096", f"model.attention={attention}", f"parallel.planner={planner}", *rows]))
         train(cfg, log=lambda *_: None)
         with open(tmp_path / planner / "metrics.jsonl") as f:
             records = [json.loads(line) for line in f]
@@ -85,5 +94,7 @@ def test_default_config_trains_with_every_planner(tmp_path, attention, session_b
         if planner != "none":
             assert all(r["planner"].startswith(planner) for r in records), (planner, [r["planner"] for r in records])
         losses[planner] = [r["loss"] for r in records]
+        steps[planner] = [(r["tokens"], r["docs"]) for r in records]
     for planner in PLANNERS:
+        assert steps[planner] == steps["none"], planner
         np.testing.assert_allclose(losses[planner], losses["none"], err_msg=planner, **tol("planner_loss", np.float32))
