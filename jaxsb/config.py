@@ -49,6 +49,38 @@ class SparseConfig:
         _check(self.top_k >= 1, f"{prefix}.top_k", f"must be >= 1 (the diagonal block), got {self.top_k}")
 
 
+ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
+ATTENTION_BIASES = ("none", "qkv", "qkvo")
+
+
+@dataclasses.dataclass(frozen=True)
+class RopeConfig:
+    """How RoPE frequencies are scaled for long context (Hugging Face's `rope_type` names and
+    fields; formulas in jaxsb/models/rope.py). `default` is plain RoPE."""
+
+    scaling: str = "default"  # default | linear | llama3 | yarn
+    factor: float = 1.0  # linear, llama3, yarn: context extension factor
+    low_freq_factor: float = 1.0  # llama3
+    high_freq_factor: float = 4.0  # llama3
+    original_max_positions: int = 0  # llama3, yarn: the pretraining context
+    beta_fast: float = 32.0  # yarn: ramp bounds, in rotations
+    beta_slow: float = 1.0  # yarn
+    truncate: bool = True  # yarn: round the ramp bounds to whole dimensions
+    attention_factor: float = 1.0  # yarn: cos/sin scale (resolved from factor/mscale when loading)
+
+    def validate(self, prefix: str = "model.rope") -> None:
+        _one_of(self.scaling, ROPE_SCALINGS, f"{prefix}.scaling")
+        if self.scaling != "default":
+            _check(self.factor > 0, f"{prefix}.factor", f"must be > 0, got {self.factor}")
+        if self.scaling in ("llama3", "yarn"):
+            _check(self.original_max_positions > 0, f"{prefix}.original_max_positions",
+                   f"must be > 0 for scaling={self.scaling!r}, got {self.original_max_positions}")
+        if self.scaling == "llama3":
+            _check(self.high_freq_factor > self.low_freq_factor > 0, f"{prefix}.high_freq_factor",
+                   f"must exceed low_freq_factor > 0, got {self.high_freq_factor} and {self.low_freq_factor}")
+        _check(self.attention_factor > 0, f"{prefix}.attention_factor", f"must be > 0, got {self.attention_factor}")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     """LLaMA-family decoder shape and numerics (ignored fields are taken from `init` weights)."""
@@ -61,6 +93,8 @@ class ModelConfig:
     head_dim: int = 32
     ffn: int = 384
     rope_theta: float = 10000.0
+    rope: RopeConfig = RopeConfig()
+    attention_bias: str = "none"  # none | qkv (Qwen2) | qkvo (Llama with attention_bias=true)
     norm_eps: float = 1e-5
     tie_embeddings: bool = True
     remat: bool = False
@@ -86,6 +120,8 @@ class ModelConfig:
         _one_of(self.param_dtype, ("float32", "bfloat16"), f"{prefix}.param_dtype")
         _one_of(self.attention, ATTENTION_IMPLEMENTATIONS, f"{prefix}.attention")
         self.sparse.validate(f"{prefix}.sparse")
+        self.rope.validate(f"{prefix}.rope")
+        _one_of(self.attention_bias, ATTENTION_BIASES, f"{prefix}.attention_bias")
         _check(self.init in ("scratch", "smollm2-135m") or self.init.startswith("hf:"), f"{prefix}.init",
                f"got {self.init!r}, allowed: scratch, smollm2-135m, hf:/path/to/checkpoint_dir")
         _check(self.rope_theta > 0 and self.norm_eps > 0 and self.init_std > 0, prefix,

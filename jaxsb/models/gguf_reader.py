@@ -15,6 +15,8 @@ from typing import Any
 
 import numpy as np
 
+from jaxsb.config import RopeConfig
+
 # GGUF token types (llama.cpp's llama_token_type): 1 normal, 2 unknown, 3 control,
 # 4 user defined, 5 unused, 6 byte.
 _TOKEN_CONTROL = 3
@@ -91,6 +93,8 @@ def config_from_gguf(meta: dict[str, Any], tensors: dict[str, np.ndarray], where
         head_dim=head_dim,
         ffn=int(_need(meta, "llama.feed_forward_length", where)),
         rope_theta=float(meta.get("llama.rope.freq_base", 10000.0)),
+        rope=RopeConfig(),  # scaling refused above
+        attention_bias="none",
         norm_eps=float(f"{eps:.7g}"),  # stored as float32: 9.99999975e-06 -> 1e-05
         tie_embeddings="output.weight" not in tensors,
     )

@@ -1,9 +1,10 @@
-"""Reading a local Hugging Face Llama checkpoint directory.
+"""Reading a local Hugging Face checkpoint directory (Llama, Qwen2, Mistral families).
 
-Layout: `config.json`, weights in `model.safetensors` or shards listed by
-`model.safetensors.index.json` (any `*.safetensors` otherwise), and `tokenizer.json`.
-Weights use HF names (`model.layers.0.self_attn.q_proj.weight`, [out, in]) and HF's
-rotate-half q/k row order, which is jaxsb's own, so only transposes are needed.
+Layout: `config.json` (read by jaxsb/models/hf_config.py), weights in `model.safetensors` or
+shards listed by `model.safetensors.index.json` (any `*.safetensors` otherwise), and
+`tokenizer.json`. Weights use HF names (`model.layers.0.self_attn.q_proj.weight`, [out, in],
+`...q_proj.bias` where the family has biases) and HF's rotate-half q/k row order, which is
+jaxsb's own, so only transposes are needed. Any float dtype is read and cast to float32.
 Every error names the file and the field or tensor at fault.
 """
 
@@ -13,61 +14,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import ml_dtypes
 import numpy as np
 
+from jaxsb.models.hf_config import HFCheckpointError, config_from_hf, read_json
 
-class HFCheckpointError(ValueError):
-    """A checkpoint directory is missing a file, field or tensor, or has one jaxsb cannot use."""
-
-
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
-        raise HFCheckpointError(f"{path}: missing (a Hugging Face Llama checkpoint needs it)")
-    try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise HFCheckpointError(f"{path}: not valid JSON: {e}") from None
-
-
-def config_from_hf(directory: Path) -> dict[str, Any]:
-    """ModelConfig field values from `config.json`."""
-    path = directory / "config.json"
-    c = _read_json(path)
-
-    def need(key: str) -> Any:
-        if key not in c:
-            raise HFCheckpointError(f"{path}: field {key!r} is missing")
-        return c[key]
-
-    model_type = c.get("model_type", "llama")
-    if model_type != "llama":
-        raise HFCheckpointError(f"{path}: model_type is {model_type!r}; only 'llama' is supported")
-    if c.get("rope_scaling") not in (None, {}):
-        raise HFCheckpointError(f"{path}: rope_scaling={c['rope_scaling']!r} is not supported (use null)")
-    for flag in ("attention_bias", "mlp_bias"):
-        if c.get(flag):
-            raise HFCheckpointError(f"{path}: {flag}=true is not supported (jaxsb's Llama has no biases)")
-    hidden, heads = int(need("hidden_size")), int(need("num_attention_heads"))
-    if c.get("hidden_act", "silu") != "silu":
-        raise HFCheckpointError(f"{path}: hidden_act={c['hidden_act']!r} is not supported (only 'silu')")
-    return dict(
-        vocab_size=int(need("vocab_size")),
-        hidden=hidden,
-        layers=int(need("num_hidden_layers")),
-        heads=heads,
-        kv_heads=int(c.get("num_key_value_heads") or heads),
-        head_dim=int(c.get("head_dim") or hidden // heads),
-        ffn=int(need("intermediate_size")),
-        rope_theta=float(c.get("rope_theta", 10000.0)),
-        norm_eps=float(c.get("rms_norm_eps", 1e-6)),
-        tie_embeddings=bool(c.get("tie_word_embeddings", False)),
-    )
+__all__ = ["HFCheckpointError", "config_from_hf", "params_from_hf", "tokenizer_from_hf"]
 
 
 def _weight_files(directory: Path) -> list[Path]:
     index = directory / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = _read_json(index).get("weight_map")
+        weight_map = read_json(index).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise HFCheckpointError(f"{index}: field 'weight_map' is missing or empty")
         files = [directory / name for name in sorted(set(weight_map.values()))]
@@ -81,21 +39,49 @@ def _weight_files(directory: Path) -> list[Path]:
     return files
 
 
-def _load_tensors(directory: Path) -> dict[str, tuple[np.ndarray, Path]]:
-    from safetensors import safe_open
+SAFETENSORS_DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+                      "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U8": np.uint8,
+                      "BOOL": np.bool_}
 
+
+def read_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of a .safetensors file as a read-only numpy view of the file (bfloat16
+    included, which the safetensors package's numpy reader refuses). The format: an 8-byte
+    little-endian header size, a JSON header {name: {dtype, shape, data_offsets}}, the data."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise HFCheckpointError(f"{path}: not a safetensors file (shorter than its 8-byte header size)")
+        n = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise HFCheckpointError(f"{path}: not a safetensors file (unreadable header: {e})") from None
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if path.stat().st_size > 8 + n else np.zeros(0, np.uint8)
+    out = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        dtype = SAFETENSORS_DTYPES.get(info.get("dtype"))
+        if dtype is None:
+            raise HFCheckpointError(f"{path}: tensor {name!r} has dtype {info.get('dtype')!r}; jaxsb reads "
+                                    f"{', '.join(SAFETENSORS_DTYPES)}")
+        begin, end = info["data_offsets"]
+        shape = tuple(info["shape"])
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize or end > data.size:
+            raise HFCheckpointError(f"{path}: tensor {name!r}: data_offsets {info['data_offsets']} do not hold "
+                                    f"{info['dtype']} {list(shape)}")
+        out[name] = data[begin:end].view(dtype).reshape(shape)
+    return out
+
+
+def _load_tensors(directory: Path) -> dict[str, tuple[np.ndarray, Path]]:
     out: dict[str, tuple[np.ndarray, Path]] = {}
     for f in _weight_files(directory):
-        try:
-            with safe_open(str(f), framework="numpy") as st:
-                for name in st.keys():
-                    if name in out:
-                        raise HFCheckpointError(f"{f}: tensor {name!r} also appears in {out[name][1]}")
-                    out[name] = (st.get_tensor(name), f)
-        except HFCheckpointError:
-            raise
-        except Exception as e:
-            raise HFCheckpointError(f"{f}: not a readable safetensors file: {e}") from e
+        for name, arr in read_safetensors(f).items():
+            if name in out:
+                raise HFCheckpointError(f"{f}: tensor {name!r} also appears in {out[name][1]}")
+            out[name] = (arr, f)
     return out
 
 
@@ -104,6 +90,8 @@ def params_from_hf(directory: Path, cfg: dict[str, Any]) -> dict:
     E, H, K, D, F, V = (cfg[k] for k in ("hidden", "heads", "kv_heads", "head_dim", "ffn", "vocab_size"))
     tensors = _load_tensors(directory)
     used: set[str] = set()
+    qkv_bias = cfg.get("attention_bias", "none") != "none"
+    o_bias = cfg.get("attention_bias", "none") == "qkvo"
 
     def get(name: str, shape: tuple[int, ...], transpose: bool = False) -> np.ndarray:
         if name not in tensors:
@@ -113,8 +101,16 @@ def params_from_hf(directory: Path, cfg: dict[str, Any]) -> dict:
             raise HFCheckpointError(f"{f}: tensor {name!r} has shape {tuple(arr.shape)}, expected {shape} "
                                     f"from config.json")
         used.add(name)
+        if arr.dtype not in (np.float64, np.float32, np.float16, ml_dtypes.bfloat16):
+            raise HFCheckpointError(f"{f}: tensor {name!r} has dtype {arr.dtype}, expected a float type")
         arr = np.asarray(arr, dtype=np.float32)
         return np.ascontiguousarray(arr.T) if transpose else arr
+
+    def linear(name: str, dout: int, din: int, bias: bool) -> dict[str, np.ndarray]:
+        out = {"kernel": get(name + ".weight", (dout, din), transpose=True)}
+        if bias:
+            out["bias"] = get(name + ".bias", (dout,))
+        return out
 
     params: dict[str, Any] = {
         "embed": {"embedding": get("model.embed_tokens.weight", (V, E))},
@@ -130,10 +126,10 @@ def params_from_hf(directory: Path, cfg: dict[str, Any]) -> dict:
         params["layers"][i] = {
             "attn_norm": {"scale": get(p + "input_layernorm.weight", (E,))},
             "attn": {
-                "q_proj": {"kernel": get(p + "self_attn.q_proj.weight", (H * D, E), True)},
-                "k_proj": {"kernel": get(p + "self_attn.k_proj.weight", (K * D, E), True)},
-                "v_proj": {"kernel": get(p + "self_attn.v_proj.weight", (K * D, E), True)},
-                "o_proj": {"kernel": get(p + "self_attn.o_proj.weight", (E, H * D), True)},
+                "q_proj": linear(p + "self_attn.q_proj", H * D, E, qkv_bias),
+                "k_proj": linear(p + "self_attn.k_proj", K * D, E, qkv_bias),
+                "v_proj": linear(p + "self_attn.v_proj", K * D, E, qkv_bias),
+                "o_proj": linear(p + "self_attn.o_proj", E, H * D, o_bias),
             },
             "mlp_norm": {"scale": get(p + "post_attention_layernorm.weight", (E,))},
             "mlp": {
@@ -145,7 +141,8 @@ def params_from_hf(directory: Path, cfg: dict[str, Any]) -> dict:
     extra = sorted(n for n in tensors if n not in used and not n.endswith("rotary_emb.inv_freq"))
     if extra:
         shown = ", ".join(extra[:5]) + (f" (+{len(extra) - 5} more)" if len(extra) > 5 else "")
-        raise HFCheckpointError(f"{directory}: unexpected tensors for a {cfg['layers']}-layer Llama: {shown}")
+        raise HFCheckpointError(f"{directory}: unexpected tensors for a {cfg['layers']}-layer model with "
+                                f"attention_bias={cfg.get('attention_bias', 'none')!r}: {shown}")
     return params
 
 
@@ -165,13 +162,13 @@ def tokenizer_from_hf(directory: Path):
     for which in ids:
         for src in sources:
             if ids[which] is None and src.is_file():
-                value = _read_json(src).get(f"{which}_token_id")
+                value = read_json(src).get(f"{which}_token_id")
                 if isinstance(value, list):
                     value = value[0] if value else None
                 ids[which] = None if value is None else int(value)
         tc = directory / "tokenizer_config.json"
         if ids[which] is None and tc.is_file():
-            token = _read_json(tc).get(f"{which}_token")
+            token = read_json(tc).get(f"{which}_token")
             if isinstance(token, dict):
                 token = token.get("content")
             if isinstance(token, str):

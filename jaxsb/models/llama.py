@@ -1,4 +1,5 @@
-"""LLaMA-family decoder in Flax NNX: RMSNorm, rotate-half RoPE, GQA attention, SwiGLU MLP.
+"""LLaMA-family decoder in Flax NNX: RMSNorm, rotate-half RoPE (jaxsb/models/rope.py), GQA
+attention (optional q/k/v[/o] biases: Qwen2, Llama attention_bias), SwiGLU MLP.
 
 Rows are packed: one row of T tokens holds several documents. The caller passes, per token,
 a segment id (which document; 0 = padding) and a position (restarting at 0 at every
@@ -20,6 +21,7 @@ from flax import nnx
 
 from jaxsb.config import ModelConfig
 from jaxsb.models.attention import attend, current_override, sparse_attend
+from jaxsb.models.rope import apply_rope, rope_cos_sin
 
 
 def _dtype(name: str):
@@ -40,25 +42,8 @@ class RMSNorm(nnx.Module):
         return (x * self.scale[...].astype(jnp.float32)).astype(self.dtype)
 
 
-def rope_cos_sin(positions_BxT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B,T,D] (float32) for rotate-half RoPE at the given per-token positions."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_BxTxD2 = positions_BxT.astype(jnp.float32)[..., None] * inv_freq
-    angles_BxTxD = jnp.concatenate([angles_BxTxD2, angles_BxTxD2], axis=-1)
-    return jnp.cos(angles_BxTxD), jnp.sin(angles_BxTxD)
-
-
-def apply_rope(x_BxTxNxD: jax.Array, cos_BxTxD: jax.Array, sin_BxTxD: jax.Array) -> jax.Array:
-    """Rotate-half convention: pairs (i, i + D/2) rotate together."""
-    x = x_BxTxNxD.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    out = x * cos_BxTxD[:, :, None, :] + rotated * sin_BxTxD[:, :, None, :]
-    return out.astype(x_BxTxNxD.dtype)
-
-
-def _linear(din: int, dout: int, cfg: ModelConfig, rngs: nnx.Rngs) -> nnx.Linear:
-    return nnx.Linear(din, dout, use_bias=False, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
+def _linear(din: int, dout: int, cfg: ModelConfig, rngs: nnx.Rngs, bias: bool = False) -> nnx.Linear:
+    return nnx.Linear(din, dout, use_bias=bias, dtype=_dtype(cfg.dtype), param_dtype=_dtype(cfg.param_dtype),
                       kernel_init=nnx.initializers.normal(cfg.init_std), rngs=rngs)
 
 
@@ -67,10 +52,11 @@ class Attention(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.cfg = cfg
-        self.q_proj = _linear(cfg.hidden, cfg.heads * cfg.head_dim, cfg, rngs)
-        self.k_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs)
-        self.v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs)
-        self.o_proj = _linear(cfg.heads * cfg.head_dim, cfg.hidden, cfg, rngs)
+        qkv_bias, o_bias = cfg.attention_bias != "none", cfg.attention_bias == "qkvo"
+        self.q_proj = _linear(cfg.hidden, cfg.heads * cfg.head_dim, cfg, rngs, qkv_bias)
+        self.k_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs, qkv_bias)
+        self.v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs, qkv_bias)
+        self.o_proj = _linear(cfg.heads * cfg.head_dim, cfg.hidden, cfg, rngs, o_bias)
 
     def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
         cfg = self.cfg
@@ -162,7 +148,7 @@ class Llama(nnx.Module):
         cfg = self.cfg
         if budgets_B is None:
             budgets_B = jnp.full((x_BxTxE.shape[0],), cfg.sparse.top_k, jnp.int32)
-        cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta)
+        cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta, cfg.rope)
         segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
         x_BxTxE = x_BxTxE.astype(_dtype(cfg.dtype))
         run = _run_block_remat if cfg.remat else _run_block

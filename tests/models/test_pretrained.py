@@ -14,7 +14,7 @@ import pytest
 from flax import nnx
 
 import llama_numpy_reference as ref
-from jaxsb.config import ModelConfig
+from jaxsb.config import ModelConfig, RopeConfig
 from jaxsb.models import Llama
 from jaxsb.models.generate import greedy_generate, mean_next_token_nll, sequence_logits
 from jaxsb.models.gguf_reader import undo_llamacpp_permute
@@ -63,7 +63,8 @@ def text_ids(smol):
 @pytest.mark.slow  # loads the real SmolLM2 weights
 def test_smollm2_config(smol):
     assert smol.config == dict(vocab_size=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64,
-                               ffn=1536, rope_theta=100000.0, norm_eps=1e-5, tie_embeddings=True)
+                               ffn=1536, rope_theta=100000.0, rope=RopeConfig(), attention_bias="none",
+                               norm_eps=1e-5, tie_embeddings=True)
     ModelConfig(**smol.config).validate()
     assert "lm_head" not in smol.params and len(smol.params["layers"]) == 30
     assert all(v.dtype == np.float32 for v in smol.params["layers"][0]["attn"]["q_proj"].values())
