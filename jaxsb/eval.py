@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = parse_config(args)
     init_devices()
     from jaxsb.config import ConfigError
+    from jaxsb.models.pretrained import GGUFError, HFCheckpointError
     from jaxsb.training.evaluation import load_for_eval, window_nll
 
     try:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         model, tokenizer, cfg = load_for_eval(cfg, workdir)
-    except ConfigError as e:
+    except (ConfigError, HFCheckpointError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     ids = tokenizer.encode(text)

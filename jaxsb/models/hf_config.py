@@ -46,7 +46,7 @@ MUST_BE = {
     "embedding_multiplier": None,
     "residual_multiplier": None,
     "attention_multiplier": None,
-    "quantization_config": None,
+    "quantization_config": None,  # except a GGUF file transformers dequantized (see config_from_hf)
 }
 
 
@@ -182,6 +182,11 @@ def config_from_hf(directory: Path) -> dict[str, Any]:
     family = c.get("model_type")
     if family not in FAMILIES:
         raise HFCheckpointError(f"{path}: model_type={family!r} is not supported (jaxsb loads {', '.join(FAMILIES)})")
+    quant = c.get("quantization_config")
+    if isinstance(quant, dict) and quant.get("quant_method") == "gguf":
+        # transformers dequantizes a GGUF file when it loads it: what it saves is plain float
+        # tensors (params_from_hf refuses any other dtype), so the field describes the origin only.
+        c = {k: v for k, v in c.items() if k != "quantization_config"}
     for field, allowed in MUST_BE.items():
         if field in c and c[field] != allowed and not (allowed is None and c[field] in ({}, [])):
             raise HFCheckpointError(f"{path}: {field}={c[field]!r} is not supported (jaxsb computes {field}="

@@ -168,3 +168,16 @@ def test_truncated_safetensors_is_a_clear_error(tmp_path):
     path.write_bytes(b"\x01")
     with pytest.raises(HFCheckpointError, match="not a safetensors file"):
         read_safetensors(path)
+
+
+def test_transformers_5_smollm2_config_reads_rope_theta_from_rope_parameters(tmp_path):
+    """transformers 5.24.0's config.json for SmolLM2-135M-Instruct (loaded from its GGUF):
+    rope_theta 100000 only inside rope_parameters, and a quantization_config that names the GGUF
+    transformers dequantized (its saved tensors are plain floats), which is accepted; any other
+    quantization is refused (REFUSED above)."""
+    shipped = FIXTURES / "smollm2-135m-instruct.transformers-5.24.0.config.json"
+    config = json.loads(shipped.read_text())
+    assert "rope_theta" not in config and config["quantization_config"]["quant_method"] == "gguf"
+    shutil.copy(shipped, tmp_path / "config.json")
+    c = config_from_hf(tmp_path)
+    assert c["rope_theta"] == 100000.0 and c["layers"] == 30 and c["tie_embeddings"] is True

@@ -7,6 +7,7 @@ RoPE. Matching logits therefore check the un-permutation as well as the forward 
 
 import importlib.util
 import json
+from pathlib import Path
 
 import jax.numpy as jnp
 import numpy as np
@@ -157,6 +158,33 @@ def test_hf_directory_roundtrip(tmp_path, smol, smol_model, text_ids):
     apply_pretrained(model, loaded.params)
     # the whole text: the same shapes as the logits test, so its compiled forward is reused
     np.testing.assert_array_equal(sequence_logits(model, text_ids), sequence_logits(smol_model, text_ids))
+
+
+@needs_smollm2
+@pytest.mark.slow  # loads the real SmolLM2 weights
+def test_transformers_5_config_of_smollm2_gives_the_gguf_perplexity(tmp_path, smol):
+    """The directory a user gets from transformers 5 (its config.json for SmolLM2-135M-Instruct,
+    shipped: RoPE theta inside `rope_parameters`, a `quantization_config` naming the GGUF it was
+    dequantized from) loads as the GGUF model: same config, same weights, and the perplexity
+    transformers 5.24.0 measured on the first 3000 characters of json/decoder.py (8.5255; 9.7547
+    when rope_theta was read as 10000)."""
+    import json.decoder
+
+    from jaxsb.models.generate import mean_next_token_nll
+    from jaxsb.models.hf_export import write_hf_checkpoint
+
+    write_hf_checkpoint(tmp_path, ModelConfig(**smol.config), smol.params, smol.tokenizer, smol.bos_id, smol.eos_id)
+    shipped = Path(__file__).parent / "hf_fixtures" / "smollm2-135m-instruct.transformers-5.24.0.config.json"
+    (tmp_path / "config.json").write_text(shipped.read_text())
+    loaded = load_pretrained(f"hf:{tmp_path}")
+    # transformers writes the GGUF's float32 epsilon as is (9.99999975e-06), jaxsb's GGUF path rounds it
+    assert loaded.config | {"norm_eps": 1e-5} == smol.config and loaded.config["norm_eps"] == pytest.approx(1e-5)
+    model = Llama(ModelConfig(**loaded.config), rngs=nnx.Rngs(0))
+    apply_pretrained(model, loaded.params)
+    with open(json.decoder.__file__) as f:
+        ids = loaded.tokenizer.encode(f.read()[:3000]).ids
+    assert len(ids) == 844  # transformers' tokenizer gives 844 too
+    assert abs(np.exp(mean_next_token_nll(model, ids)) - 8.5255) < 2e-3
 
 
 def _tiny_hf_dir(directory):

@@ -165,6 +165,12 @@ def test_cli_trains_and_eval_reads_the_run(tmp_path):
     ppl = float(last.split()[-1])
     # A 4-step model is poor but must beat a uniform guess over the vocabulary.
     assert 1.0 < ppl < 512
+    # The trained run leaves jaxsb as a Hugging Face directory and comes back with the same model.
+    proc = run_cli("jaxsb.export", "--workdir", str(tmp_path), "--out", str(tmp_path / "hf"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = run_cli("jaxsb.eval", "--set", f"model.init=hf:{tmp_path / 'hf'}", "--text", str(text))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.strip().splitlines()[-1] == last, "the exported model scores the text the same"
 
 
 @pytest.mark.slow
