@@ -40,7 +40,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     files = write_hf_checkpoint(args.out, model.cfg, export_params(model), tokenizer.hf, tokenizer.bos_id,
-                                tokenizer.eos_id, max_positions=max(cfg.data.max_len, 2048), dtype=args.dtype)
+                                tokenizer.eos_id, max_positions=max(cfg.data.max_len, 2048),
+                                chat_template=tokenizer.chat_template, dtype=args.dtype)
     print(f"wrote {', '.join(f.name for f in files)} to {args.out}")
     return 0
 

@@ -54,7 +54,7 @@ class Tokenizer:
     """A `tokenizers.Tokenizer` plus the ids the data pipeline needs (bos, eos, pad)."""
 
     def __init__(self, tokenizer: tokenizers.Tokenizer, *, bos_id: int, eos_id: int, pad_id: int | None = None,
-                 name: str = "", _byte_ids: bool = False) -> None:
+                 name: str = "", chat_template: str | None = None, _byte_ids: bool = False) -> None:
         # A private copy, so that switching off special-token matching does not touch the caller's object.
         self.hf = tokenizers.Tokenizer.from_str(tokenizer.to_str())
         self.hf.encode_special_tokens = True
@@ -65,6 +65,7 @@ class Tokenizer:
         self.bos_id, self.eos_id = int(bos_id), int(eos_id)
         self.pad_id = int(pad_id) if pad_id is not None else self.eos_id
         self.name = name
+        self.chat_template = chat_template  # a pretrained model's Jinja chat template (jaxsb/data/chat.py)
         self._byte_ids = _byte_ids  # ids 0..255 are the UTF-8 bytes themselves: encode with numpy
         self._cache: dict[str, np.ndarray] = {}
 
@@ -253,8 +254,21 @@ def build_tokenizer(cfg: TokenizerConfig, data_cfg: DataConfig, workdir: str | N
 def encode_document(doc: Document, tok: Tokenizer) -> tuple[np.ndarray, np.ndarray]:
     """Token ids (eos appended) and per-token target flags: flags[j] says whether token j is a
     trained target when predicted from token j-1 (flags[0] is always False). Chat documents are
-    rendered with the ChatML template by id; only assistant content and its <|im_end|> train."""
-    if doc.messages is not None:
+    rendered with the tokenizer's chat template when it has one (a pretrained model's,
+    jaxsb/data/chat.py), else with ChatML by id; only assistant turns (content and end-of-turn
+    markup) train."""
+    if doc.messages is not None and tok.chat_template is not None:
+        from jaxsb.data.chat import encode_chat, render_with_spans
+
+        try:
+            text, spans = render_with_spans(tok.chat_template, doc.messages, tok.hf.id_to_token(tok.bos_id) or "",
+                                            tok.hf.id_to_token(tok.eos_id) or "")
+        except DataError as e:
+            raise DataError(f"{doc.origin}: {e}") from None
+        ids, flags = encode_chat(text, spans, tok)
+        ids = np.concatenate([ids, np.array([tok.eos_id], np.int32)])
+        flags = np.concatenate([flags, [False]])
+    elif doc.messages is not None:
         start = tok.special_id(IM_START)
         end = tok.special_id(IM_END)
         start_ids = np.array([start], np.int32) if start is not None else tok.cached_encode(IM_START)

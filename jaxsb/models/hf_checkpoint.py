@@ -19,7 +19,7 @@ import numpy as np
 
 from jaxsb.models.hf_config import HFCheckpointError, config_from_hf, read_json
 
-__all__ = ["HFCheckpointError", "config_from_hf", "params_from_hf", "tokenizer_from_hf"]
+__all__ = ["HFCheckpointError", "chat_template_from_hf", "config_from_hf", "params_from_hf", "tokenizer_from_hf"]
 
 
 def _weight_files(directory: Path) -> list[Path]:
@@ -144,6 +144,26 @@ def params_from_hf(directory: Path, cfg: dict[str, Any]) -> dict:
         raise HFCheckpointError(f"{directory}: unexpected tensors for a {cfg['layers']}-layer model with "
                                 f"attention_bias={cfg.get('attention_bias', 'none')!r}: {shown}")
     return params
+
+
+def chat_template_from_hf(directory: Path) -> str | None:
+    """The Jinja chat template: chat_template.jinja (transformers 5) or tokenizer_config.json's
+    `chat_template` (a string, or a list of {name, template} whose "default" is taken)."""
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text()
+    tc = directory / "tokenizer_config.json"
+    if not tc.is_file():
+        return None
+    value = read_json(tc).get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        if "default" not in named:
+            raise HFCheckpointError(f"{tc}: chat_template lists {sorted(named)} but no 'default'")
+        value = named["default"]
+    if value is not None and not isinstance(value, str):
+        raise HFCheckpointError(f"{tc}: chat_template={value!r}: expected a string")
+    return value
 
 
 def tokenizer_from_hf(directory: Path):

@@ -37,6 +37,7 @@ class Pretrained:
     tokenizer: Any  # tokenizers.Tokenizer
     bos_id: int | None
     eos_id: int | None
+    chat_template: str | None = None  # Jinja, from the checkpoint's tokenizer files
 
 
 def find_smollm2_gguf() -> Path:
@@ -77,7 +78,7 @@ def load_pretrained(init: str) -> Pretrained:
         config = hf_checkpoint.config_from_hf(directory)
         params = hf_checkpoint.params_from_hf(directory, config)
         tokenizer, bos, eos = hf_checkpoint.tokenizer_from_hf(directory)
-        return Pretrained(config, params, tokenizer, bos, eos)
+        return Pretrained(config, params, tokenizer, bos, eos, hf_checkpoint.chat_template_from_hf(directory))
     raise ValueError(f"init={init!r}: expected 'smollm2-135m' or 'hf:/path/to/checkpoint_dir'")
 
 

@@ -27,7 +27,7 @@ def load_model_and_tokenizer(cfg: Config, workdir: str | None):
         pre = load_pretrained(cfg.model.init)
         model_cfg = dataclasses.replace(cfg.model, **pre.config)
         tokenizer = Tokenizer(pre.tokenizer, bos_id=pre.bos_id if pre.bos_id is not None else pre.eos_id,
-                              eos_id=pre.eos_id, name=cfg.model.init)
+                              eos_id=pre.eos_id, name=cfg.model.init, chat_template=pre.chat_template)
         model_cfg.validate()
         return model_cfg, tokenizer, pre.params
     # Process 0 trains (or reloads) the BPE; the others get the very same one.
