@@ -27,6 +27,15 @@ Coverage: softmax over the eligible block scores of each (row, kv head, query bl
 share held by the selected blocks, in [0, 1], 1 when every eligible block is selected.
 Averaged over query blocks (weighted by their non-padding tokens) per (row, kv head) and per row.
 
+Coverage curve (SparseBalance's C(k), for choosing budgets; `coverage_curves`): per (row, kv
+head, query block), the softmax over the causally visible key-block scores above, sorted in
+decreasing order; c(k) = the mass of the k largest, for k = 1 .. max_k, and exactly 1 once k
+reaches the number of visible blocks (a query block with <= k visible blocks keeps everything).
+A document's curve C(k) is c(k) averaged over the kv heads and over the query blocks routed for
+that document (those whose first token is the document's: `document_coverage_curves`, host
+side). C(k) is the mass of the best k blocks; the router's own selection puts the diagonal
+first, so the mass it keeps with budget k is at most C(k).
+
 Selection is not differentiable (inputs are stop_gradient-ed); everything is jit-able with
 static `block_size` / `max_blocks`.
 """
@@ -171,3 +180,39 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     w = jnp.where(weights.sum(-1, keepdims=True) > 0, weights, 1.0)[:, None, :]  # [B, 1, nq]
     per_head = (kept * w).sum(-1) / w.sum(-1)
     return idx.astype(jnp.int32), counts, Coverage(per_head, per_head.mean(-1))
+
+
+def coverage_curves(q, k, segment_ids, block_size: int = 128, max_k: int | None = None):
+    """(curves [B, K, nq, max_k] float32: c(1..max_k) per (row, kv head, query block), routed
+    [B, nq] int32: the segment id of each query block's first token, 0 for padding) — the
+    module docstring's coverage curve. max_k (static) defaults to nq."""
+    q, k = lax.stop_gradient(q), lax.stop_gradient(k)
+    scores, _ = block_scores(q, k, segment_ids, block_size)  # [B, K, nq, nb]
+    B, T = q.shape[:2]
+    nb = scores.shape[-1]
+    max_k = nb if max_k is None else max_k
+    if not isinstance(max_k, int) or not 1 <= max_k <= nb:
+        raise ValueError(f"max_k={max_k!r} must be an int in [1, {nb}]")
+    p = jax.nn.softmax(scores, axis=-1)  # ineligible (-inf) blocks get 0
+    top, _ = lax.top_k(p, max_k)
+    curve = jnp.cumsum(top, axis=-1)
+    visible = jnp.isfinite(scores).sum(-1, keepdims=True)  # [B, K, nq, 1]
+    curve = jnp.where(jnp.arange(1, max_k + 1) >= visible, 1.0, jnp.minimum(curve, 1.0))
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    routed = _pad_t(seg, nb * block_size)[:, ::block_size]
+    return curve, routed
+
+
+def document_coverage_curves(curves, routed) -> dict:
+    """{(row, segment id): C(1..max_k)} on the host: c(k) averaged over kv heads and over the
+    query blocks routed for that document (padding blocks, id 0, belong to none)."""
+    import numpy as np
+
+    curves, routed = np.asarray(curves, np.float64), np.asarray(routed)
+    per_block = curves.mean(axis=1)  # [B, nq, max_k]
+    out = {}
+    for b in range(routed.shape[0]):
+        for d in np.unique(routed[b]):
+            if d > 0:
+                out[(b, int(d))] = per_block[b, routed[b] == d].mean(axis=0)
+    return out

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxsb.models.router import route
+from jaxsb.models.router import coverage_curves, document_coverage_curves, route
 from tolerances import tol
 from attention_inputs import segments
 
@@ -192,3 +192,38 @@ def test_argument_errors(kwargs, message):
     with pytest.raises(ValueError) as info:
         route(**args)
     assert message in str(info.value)
+
+
+def test_coverage_curves_match_numpy():
+    """c(k) per (row, kv head, query block) = the k largest softmax masses over the visible
+    key-block scores of the brute-force router (1 once k reaches the visible count); a
+    document's C(k) = the mean over kv heads and its query blocks; the router's kept mass with
+    budget k (diagonal first) never exceeds C(k)'s block value."""
+    q, k = _qk(3)
+    seg = _segments(DOCS)
+    max_k = 6
+    curves, routed = coverage_curves(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), BS, max_k)
+    curves, routed = np.asarray(curves), np.asarray(routed)
+    _, _, scores = _brute_force(q, k, seg, [1, 1])
+    want = np.zeros((2, K, NB, max_k))
+    for (b, kh, n), sc in scores.items():
+        v = np.array(list(sc.values()), np.float64)
+        p = np.sort(np.exp(v - v.max()) / np.exp(v - v.max()).sum())[::-1]
+        want[b, kh, n] = [1.0 if kk >= len(p) else p[:kk].sum() for kk in range(1, max_k + 1)]
+    np.testing.assert_allclose(curves, want, **tol("router_coverage", np.float32))
+    assert (np.diff(curves, axis=-1) >= -1e-6).all() and (curves <= 1.0).all()
+    assert routed.tolist() == [[int(seg[b, n * BS]) for n in range(NB)] for b in range(2)]
+    docs = document_coverage_curves(curves, routed)
+    assert sorted(docs) == sorted({(b, int(d)) for b in range(2) for d in routed[b] if d > 0})
+    for (b, d), c in docs.items():
+        blocks = [n for n in range(NB) if seg[b, n * BS] == d]
+        np.testing.assert_allclose(c, want[b][:, blocks].mean(axis=(0, 1)), **tol("router_coverage", np.float32))
+    for budget in (1, 2, 4):
+        _, _, cov = route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray([budget, budget]), BS)
+        # per (row, kv head), both weighted by the blocks' real tokens as the router averages
+        segp = np.concatenate([seg, np.zeros((2, NB * BS - T), seg.dtype)], 1).reshape(2, NB, BS)
+        w = (segp > 0).sum(-1)[:, None, :]
+        best = (curves[..., budget - 1] * w).sum(-1) / w.sum(-1)
+        assert (np.asarray(cov.per_kv_head) <= best + 1e-6).all()
+        if budget == 1:  # the diagonal alone is rarely the best block: strictly less somewhere
+            assert (np.asarray(cov.per_kv_head) < best - 1e-3).any()

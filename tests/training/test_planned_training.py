@@ -72,29 +72,45 @@ def test_compiled_programs_stay_within_the_bound(tmp_path, session_bpe):
 PLANNERS = ("static", "batch-adaptive", "flexsp", "skrull", "jaxsb")
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("attention", ["xla", "sparse"])
-def test_default_config_trains_with_every_planner(tmp_path, attention, session_bpe):
+def _default_run(bpe, workdir, attention, planner):
     """The main job's config as a new user runs it (`python -m jaxsb.train --set
-    parallel.planner=...`), a few short steps: every planner runs (skrull's default CP group of
-    all devices used to crash on micro-batches with no sharded sequence) and trains the same
-    model as the rows path, dense and sparse. (The rows reference packs into one 2048-token bucket,
-    which holds any 4096 tokens of pieces of at most 1024 in 8 rows: it carries nothing, so it
-    trains the same pieces as the planned steps.)"""
-    losses, steps = {}, {}
-    for planner in ("none",) + PLANNERS:
-        rows = ["data.row_buckets=[2048]"] if planner == "none" else []
-        cfg = session_bpe.seed(load_config("default", [
-            f"train.workdir={tmp_path / planner}", "train.steps=2", "train.checkpoint_every=100",
-            "data.tokens_per_step=4096", f"model.attention={attention}", f"parallel.planner={planner}", *rows]))
-        train(cfg, log=lambda *_: None)
-        with open(tmp_path / planner / "metrics.jsonl") as f:
-            records = [json.loads(line) for line in f]
-        assert len(records) == 2, planner
-        if planner != "none":
-            assert all(r["planner"].startswith(planner) for r in records), (planner, [r["planner"] for r in records])
-        losses[planner] = [r["loss"] for r in records]
-        steps[planner] = [(r["tokens"], r["docs"]) for r in records]
-    for planner in PLANNERS:
-        assert steps[planner] == steps["none"], planner
-        np.testing.assert_allclose(losses[planner], losses["none"], err_msg=planner, **tol("planner_loss", np.float32))
+    parallel.planner=...`), two short steps: per step (tokens, documents) and loss. The rows
+    reference packs into one 2048-token bucket, which holds any 4096 tokens of pieces of at most
+    1024 in 8 rows: it carries nothing, so it trains the same pieces as the planned steps."""
+    rows = ["data.row_buckets=[2048]"] if planner == "none" else []
+    cfg = bpe.seed(load_config("default", [
+        f"train.workdir={workdir}", "train.steps=2", "train.checkpoint_every=100",
+        "data.tokens_per_step=4096", f"model.attention={attention}", f"parallel.planner={planner}", *rows]))
+    train(cfg, log=lambda *_: None)
+    with open(workdir / "metrics.jsonl") as f:
+        records = [json.loads(line) for line in f]
+    assert len(records) == 2, planner
+    if planner != "none":
+        assert all(r["planner"].startswith(planner) for r in records), (planner, [r["planner"] for r in records])
+    return [(r["tokens"], r["docs"]) for r in records], [r["loss"] for r in records]
+
+
+@pytest.fixture(scope="module")
+def default_rows(tmp_path_factory, session_bpe):
+    """The rows path's run of the default config, per attention kind (made once per module and worker)."""
+    done = {}
+
+    def get(attention):
+        if attention not in done:
+            done[attention] = _default_run(session_bpe, tmp_path_factory.mktemp(f"rows-{attention}"), attention, "none")
+        return done[attention]
+
+    return get
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("planner", PLANNERS)
+@pytest.mark.parametrize("attention", ["xla", "sparse"])
+def test_default_config_trains_with_every_planner(tmp_path, attention, planner, default_rows, session_bpe):
+    """Every planner runs the default config (skrull's default CP group of all devices used to
+    crash on micro-batches with no sharded sequence) and trains the same model as the rows path,
+    dense and sparse."""
+    steps, losses = _default_run(session_bpe, tmp_path / planner, attention, planner)
+    want_steps, want_losses = default_rows(attention)
+    assert steps == want_steps, planner
+    np.testing.assert_allclose(losses, want_losses, err_msg=planner, **tol("planner_loss", np.float32))
