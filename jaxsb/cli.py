@@ -36,3 +36,22 @@ def init_devices(parallel=None) -> None:
     setup_host_devices()
     if parallel is not None:
         init_distributed(parallel.coordinator, parallel.num_processes, parallel.process_id)
+
+
+def load_model(args: argparse.Namespace):
+    """For the CLIs that read a model (eval, export): `--workdir` names a trained run (its last
+    checkpoint), else the config's `model.init`. Returns (model, tokenizer, config); exits with
+    status 2 and the message when the run or checkpoint cannot be read."""
+    workdir = args.workdir
+    args.workdir = None  # here --workdir names the run to read, not an output directory
+    cfg = parse_config(args)
+    init_devices()
+    from jaxsb.config import ConfigError
+    from jaxsb.models.pretrained import GGUFError, HFCheckpointError
+    from jaxsb.training.evaluation import load_for_eval
+
+    try:
+        return load_for_eval(cfg, workdir)
+    except (ConfigError, HFCheckpointError, GGUFError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -13,32 +13,22 @@ from __future__ import annotations
 import math
 import sys
 
-from jaxsb.cli import base_parser, init_devices, parse_config
+from jaxsb.cli import base_parser, load_model
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = base_parser("Perplexity of a jaxsb model on a text file.")
     parser.add_argument("--text", required=True, help="UTF-8 text file to score")
     args = parser.parse_args(argv)
-    workdir = args.workdir
-    args.workdir = None  # here --workdir names the run to read, not an output directory
-    cfg = parse_config(args)
-    init_devices()
-    from jaxsb.config import ConfigError
-    from jaxsb.models.pretrained import GGUFError, HFCheckpointError
-    from jaxsb.training.evaluation import load_for_eval, window_nll
-
     try:
         with open(args.text, encoding="utf-8") as f:
             text = f.read()
     except (OSError, UnicodeDecodeError) as e:
         print(f"error: --text {args.text}: {e}", file=sys.stderr)
         return 2
-    try:
-        model, tokenizer, cfg = load_for_eval(cfg, workdir)
-    except (ConfigError, HFCheckpointError, GGUFError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, tokenizer, cfg = load_model(args)
+    from jaxsb.training.evaluation import window_nll
+
     ids = tokenizer.encode(text)
     if len(ids) < 2:
         print(f"error: --text {args.text}: {len(ids)} tokens; need at least 2", file=sys.stderr)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 import sys
 
-from jaxsb.cli import base_parser, init_devices, parse_config
+from jaxsb.cli import base_parser, load_model
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,23 +22,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="dtype of the saved weights")
     args = parser.parse_args(argv)
-    workdir = args.workdir
-    args.workdir = None  # here --workdir names the run to read, not an output directory
-    cfg = parse_config(args)
-    init_devices()
-    from jaxsb.config import ConfigError
-    from jaxsb.models.hf_export import write_hf_checkpoint
-    from jaxsb.models.pretrained import GGUFError, HFCheckpointError, export_params
-    from jaxsb.training.evaluation import load_for_eval
-
     if os.path.isfile(args.out):
         print(f"error: --out {args.out} is a file, expected a directory", file=sys.stderr)
         return 2
-    try:
-        model, tokenizer, cfg = load_for_eval(cfg, workdir)
-    except (ConfigError, HFCheckpointError, GGUFError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    model, tokenizer, cfg = load_model(args)
+    from jaxsb.models.hf_export import write_hf_checkpoint
+    from jaxsb.models.pretrained import export_params
+
     files = write_hf_checkpoint(args.out, model.cfg, export_params(model), tokenizer.hf, tokenizer.bos_id,
                                 tokenizer.eos_id, max_positions=max(cfg.data.max_len, 2048),
                                 chat_template=tokenizer.chat_template, dtype=args.dtype)

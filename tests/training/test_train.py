@@ -168,7 +168,8 @@ def test_cli_trains_and_eval_reads_the_run(tmp_path):
     # The trained run leaves jaxsb as a Hugging Face directory and comes back with the same model.
     proc = run_cli("jaxsb.export", "--workdir", str(tmp_path), "--out", str(tmp_path / "hf"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    proc = run_cli("jaxsb.eval", "--set", f"model.init=hf:{tmp_path / 'hf'}", "--text", str(text))
+    # (--config tiny: the run's data.max_len, which sets eval's scoring windows)
+    proc = run_cli("jaxsb.eval", "--config", "tiny", "--set", f"model.init=hf:{tmp_path / 'hf'}", "--text", str(text))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.strip().splitlines()[-1] == last, "the exported model scores the text the same"
 
