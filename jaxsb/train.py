@@ -15,11 +15,12 @@ def main(argv: list[str] | None = None) -> int:
     from jaxsb.config import ConfigError
     from jaxsb.data import DataError
     from jaxsb.devices import is_main_process
+    from jaxsb.models.pretrained import GGUFError, HFCheckpointError
     from jaxsb.training.trainer import train
 
     try:
         result = train(cfg)
-    except (ConfigError, DataError) as e:
+    except (ConfigError, DataError, HFCheckpointError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not is_main_process():

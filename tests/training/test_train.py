@@ -141,6 +141,14 @@ def test_cli_bad_override_fails_at_start_up():
     assert "train.stepz: unknown key 'stepz'" in proc.stderr
 
 
+def test_cli_missing_checkpoint_directory_is_a_clear_error(tmp_path):
+    """The shipped qwen2.5_sft config run before pointing it at a checkpoint."""
+    proc = run_cli("jaxsb.train", "--config", "qwen2.5_sft", "--workdir", str(tmp_path / "run"),
+                   "--set", f"model.init=hf:{tmp_path / 'no-such-checkpoint'}")
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "no-such-checkpoint: not a directory" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+
+
 def test_cli_empty_data_directory_is_a_clear_error(tmp_path):
     (tmp_path / "data").mkdir()
     proc = run_cli("jaxsb.train", "--config", "tiny", "--workdir", str(tmp_path / "run"),
