@@ -21,7 +21,7 @@ import argparse
 import sys
 
 from jaxsb.planner.simulation import (DISTRIBUTIONS, describe_run, format_table, make_batches, make_planners,
-                                      preset_options, read_lengths, resolve_devices, run, synthetic_lengths,
+                                      preset_options, read_lengths, resolve_sizes, run, synthetic_lengths,
                                       write_plots, write_report)
 
 
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     from jaxsb.planner.cost import load_preset
 
     try:
-        n = resolve_devices(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
+        n = resolve_sizes(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
         preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option)
         cost = load_preset(args.preset, **preset_opts)
         names = list(dict.fromkeys(args.planner or ["static"]))

@@ -40,8 +40,8 @@ def test_smollm2_demo_generates():  # the weights come with scripts/setup.sh (ll
 
 
 def test_check_hf_export_exports_and_checks_where_transformers_is(tmp_path):
-    out = _run("scripts/check_hf_export.py", "export", str(tmp_path), "qwen2-hf5")
-    assert "qwen2-hf5 exported" in out and (tmp_path / "qwen2-hf5" / "model.safetensors").is_file(), out
+    out = _run("scripts/check_hf_export.py", "export", str(tmp_path), "llama-hf5")
+    assert "llama-hf5 exported" in out and (tmp_path / "llama-hf5" / "model.safetensors").is_file(), out
     pytest.importorskip("torch")  # the check half needs transformers (not a CI dependency)
     pytest.importorskip("transformers")
     assert "all 1 exports match" in _run("scripts/check_hf_export.py", "check", str(tmp_path))

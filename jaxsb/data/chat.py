@@ -14,6 +14,7 @@ assistant span as trained.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Sequence
 
@@ -22,8 +23,10 @@ import numpy as np
 from jaxsb.data.sources import DataError
 
 
-def _environment():
-    from jinja2 import StrictUndefined
+@functools.lru_cache(maxsize=8)
+def _compile(template: str):
+    """The template compiled once (every chat document of a run renders with the same one)."""
+    from jinja2 import StrictUndefined, TemplateError
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, undefined=StrictUndefined)
@@ -32,7 +35,10 @@ def _environment():
         raise DataError(f"chat template: {message}")
 
     env.globals["raise_exception"] = raise_exception
-    return env
+    try:
+        return env.from_string(template)
+    except TemplateError as e:
+        raise DataError(f"chat template does not parse: {e}") from None
 
 
 def render_with_spans(template: str, messages: Sequence[tuple[str, str]], bos_token: str = "",
@@ -40,10 +46,7 @@ def render_with_spans(template: str, messages: Sequence[tuple[str, str]], bos_to
     """(rendered text, [(start, end) character span of each assistant turn])."""
     from jinja2 import TemplateError
 
-    try:
-        compiled = _environment().from_string(template)
-    except TemplateError as e:
-        raise DataError(f"chat template does not parse: {e}") from None
+    compiled = _compile(template)
     as_dicts = [{"role": r, "content": c} for r, c in messages]
 
     def render(upto: int, prompt: bool) -> str:

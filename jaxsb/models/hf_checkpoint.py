@@ -57,7 +57,8 @@ def read_safetensors(path: Path) -> dict[str, np.ndarray]:
             header = json.loads(f.read(n))
         except (json.JSONDecodeError, UnicodeDecodeError) as e:
             raise HFCheckpointError(f"{path}: not a safetensors file (unreadable header: {e})") from None
-    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if path.stat().st_size > 8 + n else np.zeros(0, np.uint8)
+    has_data = path.stat().st_size > 8 + n  # np.memmap refuses an empty region
+    data = np.memmap(path, dtype=np.uint8, mode="r", offset=8 + n) if has_data else np.zeros(0, np.uint8)
     out = {}
     for name, info in header.items():
         if name == "__metadata__":

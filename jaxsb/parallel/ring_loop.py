@@ -88,7 +88,7 @@ def axis_size(axis_name) -> int:
     return lax.psum(1, axis_name)
 
 
-def my_degree(cfg: RingConfig):
+def _my_degree(cfg: RingConfig):
     """This device's group degree (traced scalar), from the axis index and a static table."""
     return jnp.asarray(cfg.degrees())[lax.axis_index(cfg.axis_name)]
 
@@ -112,7 +112,7 @@ def _shift(x, cfg: RingConfig, min_degree: int):
 def ring_round(cfg: RingConfig, step, r, local: bool, last: bool, ride, acc, carry):
     """One round: prefetch the next round's `ride` (async with the compute that follows, which
     reads the current one), run step, then pass `acc` on along the rings that computed."""
-    degree = my_degree(cfg)
+    degree = _my_degree(cfg)
     nxt = ride if last else _shift(ride, cfg, r + 2)  # rings with a round r + 1
     acc, carry = step(degree > r, local, ride, acc, carry)
     sent = max(2, r + 1)  # rings that computed in round r (degree 1 has nowhere to go)
@@ -140,7 +140,7 @@ def ring_loop(cfg: RingConfig, step, ride, acc, carry):
 
         def body(c, r, lo=lo):
             # The permutations are those of round lo throughout the run; r only gates compute.
-            degree = my_degree(cfg)
+            degree = _my_degree(cfg)
             ride, acc, carry = c
             nxt = _shift(ride, cfg, lo + 2)
             acc, carry = step(degree > r, False, ride, acc, carry)

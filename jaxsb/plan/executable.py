@@ -70,11 +70,14 @@ class Runnable:
             raise PlanError(f"plan {template.summary()!r} cannot be executed: {problem}")
 
 
-def ulysses_runs(degrees: Sequence[int], runnable: Runnable | None = None) -> bool:
-    """Whether the executor can run a micro-batch whose groups (idle degree-1 groups included)
-    have these degrees as ulysses: one `all_to_all` on a (groups, degree) mesh needs a single
-    degree, and `runnable` (when given) must accept it."""
+def ulysses_runs(degrees: Sequence[int], runnable: Runnable | None = None, num_devices: int | None = None) -> bool:
+    """Whether the executor can run a micro-batch whose groups have these degrees as ulysses:
+    one `all_to_all` on a (groups, degree) mesh needs a single degree, and `runnable` (when
+    given) must accept it. With `num_devices`, the devices the groups leave out count as the
+    idle degree-1 groups build_plan adds."""
     degs = set(degrees)
+    if num_devices is not None and sum(degrees) < num_devices:
+        degs.add(1)
     return len(degs) == 1 and (runnable is None or runnable.ulysses_degree_ok(degs.pop()))
 
 

@@ -203,8 +203,8 @@ class JaxsbPlanner(PlannerBase):
     def _specs(self, groups, lengths, budgets) -> list[GroupSpec]:
         specs = specs_from_groups(groups, self.lin, self.scheme)
         d = max(s.degree for s in specs)
-        degrees = [s.degree for s in specs] + [1] * (self.num_devices - sum(s.degree for s in specs))
-        if self.scheme == "ring" and d > 1 and ulysses_runs(degrees, self.runnable):
+        if self.scheme == "ring" and d > 1 and ulysses_runs([s.degree for s in specs], self.runnable,
+                                                             self.num_devices):
             # equal groups over all devices: the executor can run ulysses; take it if faster
             def slowest(scheme):
                 return max(self.cost.group_time_ms(d, [lengths[i] for i in s.sharded], scheme=scheme,

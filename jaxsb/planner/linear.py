@@ -136,8 +136,7 @@ def executable_specs(specs: list[GroupSpec], runnable, num_devices: int) -> list
     degree-1 groups build_plan adds) become ring groups, the executor's scheme for uneven groups."""
     if runnable is None or not any(s.scheme == "ulysses" and s.degree > 1 for s in specs):
         return specs
-    degrees = [s.degree for s in specs] + [1] * (num_devices - sum(s.degree for s in specs))
-    if ulysses_runs(degrees, runnable):
+    if ulysses_runs([s.degree for s in specs], runnable, num_devices):
         return specs
     return [dataclasses.replace(s, scheme="ring") if s.degree > 1 else s for s in specs]
 

@@ -7,7 +7,7 @@ L − 2·N are dropped (counted and reported), and batch i is lengths[B·i : B·
 remains. `run` returns per planner its per-step plans (`describe_plan`), modelled times,
 solve times and lower bounds; `format_table` and `write_plots` present them. The command
 line's settings are checked and turned into a cost model and planners here too
-(`resolve_devices`, `preset_options`, `make_planners`); errors are ValueError with the flag.
+(`resolve_sizes`, `preset_options`, `make_planners`); errors are ValueError with the flag.
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def parse_value(text: str):
         return text
 
 
-def resolve_devices(devices: int | None, dp: int | None, cp: int | None, global_batch: int = 1, steps: int = 1,
-                    max_len: int = 1) -> int:
+def resolve_sizes(devices: int | None, dp: int | None, cp: int | None, global_batch: int, steps: int,
+                  max_len: int) -> int:
     """N from --devices, or --dp x --cp (which must agree with it), else 64; every size >= 1."""
     n = devices
     if dp or cp:

@@ -22,7 +22,8 @@ def window_nll(model, ids: list[int], window: int) -> tuple[float, int]:
 
 
 def load_for_eval(cfg, workdir: str | None):
-    """(model, tokenizer) from a trained workdir's latest checkpoint or from model.init."""
+    """(model, tokenizer, config) from a trained workdir's latest checkpoint (and its saved
+    config) or from `cfg.model.init`."""
     import jax
     from flax import nnx
 

@@ -1,9 +1,9 @@
 """Per-step planning for the training loop: the step's pieces -> sequences -> Plan -> admitted template.
 
 `StepPlanner.plan(step)` turns the data iterator's pieces (`StepPieces`, never packed into
-rows) into sequences, asks the configured planner (`parallel.planner`, on the cost model `parallel.preset`) for a Plan and
-times it. It is pure host work (numpy / python-mip), so the trainer runs it for step t+1 in a
-background thread while step t runs.
+rows) into sequences, asks the configured planner (`parallel.planner`, on the cost model
+`parallel.preset`) for a Plan and times it. It is pure host work (numpy / python-mip), so the
+trainer runs it for step t+1 in a background thread while step t runs.
 
 `admit(plan)` then decides which compiled program runs it (main thread, it owns the compile
 cache), keeping the number of programs at most `parallel.max_programs`:
@@ -42,6 +42,11 @@ def sequence_of_piece(piece: Piece) -> SeqData:
     loss_mask = np.zeros(n, np.float32)
     loss_mask[:-1] = piece.flags[1:]
     return SeqData(np.asarray(piece.ids, np.int32), targets, loss_mask, np.arange(n, dtype=np.int32))
+
+
+def step_sequences(step: StepPieces) -> list[SeqData]:
+    """The step's pieces as the executor's sequences, in the step's order (the plan's indices)."""
+    return [sequence_of_piece(p) for p in step.pieces]
 
 
 @dataclasses.dataclass
@@ -91,7 +96,7 @@ class StepPlanner:
         self.planner = make_planner(p.planner, self.cost, num_devices, **options)
 
     def plan(self, step: StepPieces) -> PlannedStep:
-        seqs = [sequence_of_piece(p) for p in step.pieces]
+        seqs = step_sequences(step)
         lengths = [len(s) for s in seqs]
         budgets = [self.model_cfg.sparse.top_k] * len(seqs)
         t0 = time.perf_counter()

@@ -121,7 +121,7 @@ class PlannedSteps:
         return planned
 
     def _shared_plan(self, step: StepPieces, n: int):
-        from jaxsb.training.planning import PlannedStep, sequence_of_piece
+        from jaxsb.training.planning import PlannedStep, step_sequences
 
         digest, mine = step.digest(), {}
 
@@ -142,7 +142,7 @@ class PlannedSteps:
                             "data.* and tokenizer settings)")
         if "planned" in mine:
             return mine["planned"]
-        return PlannedStep(step, [sequence_of_piece(p) for p in step.pieces], plan, solve_s, info)
+        return PlannedStep(step, step_sequences(step), plan, solve_s, info)
 
     def prepare(self, state, more: bool = True) -> PreparedStep:
         """`more`: another step follows (so its plan is started in the background)."""
