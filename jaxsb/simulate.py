@@ -13,6 +13,12 @@ The library behind it is jaxsb/planner/simulation.py.
     python -m jaxsb.simulate --preset flexsp-a100:gpt-7b --devices 64 --global-batch 512 \\
         --max-len 192000 --steps 10 --lengths ../shared/data/wikipedia_lens.txt \\
         --planner static --planner batch-adaptive
+
+SparseBalance's setting (Megatron DP x PP, MoBA budgets; jaxsb/planner/pipeline_cost.py) with
+its Table I ablation and jaxsb's joint layout-and-budget planner:
+
+    python -m jaxsb.simulate --preset sparsebalance-h200:qwen2.5-3b --dp 2 --pp 4 --mbs 2 \
+        --global-batch 16 --dist chatqa2 --coverage synthetic --table-i --steps 20
 """
 
 from __future__ import annotations
@@ -20,9 +26,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from jaxsb.planner.simulation import (DISTRIBUTIONS, describe_run, format_table, make_batches, make_planners,
-                                      preset_options, read_lengths, resolve_sizes, run, synthetic_lengths,
-                                      write_plots, write_report)
+from jaxsb.planner.simulation import (DISTRIBUTIONS, coverage_source, describe_run, format_table, format_table_i,
+                                      is_pipeline_preset, make_batches, make_planners, preset_options, read_lengths,
+                                      resolve_sizes, run, synthetic_lengths, write_plots, write_report)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--devices", type=int, default=None, help="number of devices N (default dp*cp, else 64)")
     p.add_argument("--preset", default="flexsp-a100:gpt-7b",
                    help="cost model: flexsp-a100:gpt-7b|gpt-13b|gpt-30b, skrull-h100:qwen2.5-0.5b|qwen2.5-7b, "
-                        "or a calibrated .json")
+                        "sparsebalance-h200:qwen2.5-0.5b|qwen2.5-3b (DP x PP pipelines), or a calibrated .json")
     p.add_argument("--preset-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra preset option, e.g. memory_limit_gb=28 (repeatable)")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step, all DP ranks together")
@@ -44,7 +50,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--planner-option", action="append", default=[], metavar="NAME.KEY=VALUE",
                    help="option of one planner, e.g. static.degree=32 (repeatable)")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (CP-group planners)")
+    p.add_argument("--dp", type=int, default=None, help="data-parallel ranks (CP-group planners; the pipeline "
+                                                        "replicas of a sparsebalance-h200 preset, default 4)")
+    p.add_argument("--pp", type=int, default=None, help="pipeline stages (sparsebalance-h200 presets, default 4)")
+    p.add_argument("--mbs", type=int, default=1, help="sequences per micro-batch (SparseBalance's planners; "
+                                                      "jaxsb keeps the micro-batch count gbs / (mbs x dp))")
+    p.add_argument("--coverage", metavar="synthetic|FILE", default=None,
+                   help="coverage curves for the planners that choose budgets: synthetic (seeded, like "
+                        "SparseBalance's Fig. 4) or a JSON file from scripts/measure_coverage.py")
+    p.add_argument("--coverage-drop", type=float, default=0.1, help="p: the largest coverage drop a budget cut "
+                                                                    "may cost a sequence (default 0.1)")
+    p.add_argument("--anchor", choices=("min", "mean", "max"), default="mean", help="DST's anchor (default mean)")
+    p.add_argument("--table-i", action="store_true", help="add SparseBalance's Table I rows (baseline, +DST, "
+                                                          "+SAB, +LBB, +SAB+DST, +LBB+DST, jaxsb)")
     p.add_argument("--cp", type=int, default=None, help="context-parallel group size (CP-group planners; "
                                                         "also static's default degree)")
     p.add_argument("--time-limit", type=float, default=None, help="solver time limit per step (s)")
@@ -58,36 +76,53 @@ def main(argv: list[str] | None = None) -> int:
     from jaxsb.plan import PlanError
     from jaxsb.planner.cost import load_preset
 
+    pipeline = is_pipeline_preset(args.preset)
     try:
-        n = resolve_sizes(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
-        preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option)
+        if pipeline:
+            if args.cp or args.devices:
+                raise ValueError("SparseBalance's setting has no context parallelism: give --dp (and --pp), "
+                                 "not --cp or --devices")
+            n = resolve_sizes(args.dp or 4, None, None, args.global_batch, args.steps, args.max_len)
+        else:
+            n = resolve_sizes(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
+        preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option, pp=args.pp)
         cost = load_preset(args.preset, **preset_opts)
-        names = list(dict.fromkeys(args.planner or ["static"]))
-        planners, per_planner = make_planners(names, args.planner_option, cost, n, args.time_limit, args.dp, args.cp)
+        names = list(dict.fromkeys(args.planner or ([] if args.table_i else ["jaxsb" if pipeline else "static"])))
+        budget_opts = dict(coverage_drop=args.coverage_drop, anchor=args.anchor) | (dict(mbs=args.mbs) if pipeline else {})
+        planners, per_planner = make_planners(names, args.planner_option, cost, n, args.time_limit, args.dp, args.cp,
+                                              budget_options=budget_opts, table_i=args.table_i)
+        if args.coverage is None and any(getattr(p, "uses_coverage", False) for p in planners.values()):
+            raise ValueError("the planners that choose budgets need --coverage synthetic|FILE")
+        block = getattr(cost, "block", 128)
+        max_k = max([getattr(p, "max_blocks", 0) or p.budget_options["max_blocks"] for p in planners.values()
+                     if getattr(p, "uses_coverage", False)] or [1])
+        coverage = coverage_source(args.coverage, block=block, max_k=max_k, seed=args.seed)
         source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, args.seed)
-        batches, dropped, scanned = make_batches(source, n, args.global_batch, args.max_len, args.steps)
+        align = 1 if pipeline else 2 * n
+        batches, dropped, scanned = make_batches(source, n, args.global_batch, args.max_len, args.steps, align=align)
     except (ValueError, TypeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     what = args.lengths or f"--dist {args.dist} (seed {args.seed})"
-    print(f"{what}: lengths padded to multiples of {2 * n}; dropped {dropped} of {scanned} read "
-          f"(longer than {args.max_len - 2 * n} after padding)")
+    print(f"{what}: lengths padded to multiples of {align}; dropped {dropped} of {scanned} read "
+          f"(longer than {args.max_len - align} after padding)")
     if not batches:
         print(f"error: not one full batch of {args.global_batch} sequences", file=sys.stderr)
         return 2
     if len(batches) < args.steps:
         print(f"warning: only {len(batches)} full batches, not {args.steps}")
     print(describe_run(cost, n, batches))
+    reference = "baseline" if args.table_i else "static"
     try:
-        results = run(cost, planners, batches)
+        results = run(cost, planners, batches, coverage=coverage, reference=reference)
     except PlanError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(format_table(results))
+    print(format_table_i(results) if pipeline else format_table(results))
     if args.out:
         config = dict(vars(args), devices=n, preset_options=preset_opts, cost_model=cost.name,
-                      memory_limit_mb=cost.memory_limit_mb, steps=len(batches), planners=names,
-                      planner_options=per_planner)
+                      memory_limit_mb=cost.memory_limit_mb, steps=len(batches), planners=list(planners),
+                      planner_options=per_planner, reference=reference)
         print(f"wrote {write_report(args.out, config, dropped, scanned, results)}")
     if args.plots:
         for path in write_plots(results, n, args.plots):

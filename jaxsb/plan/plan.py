@@ -145,6 +145,16 @@ class Plan:
     def summary(self) -> str:
         return self.template.summary()
 
+    def with_budgets(self, budgets: Sequence[int]) -> "Plan":
+        """The same layout with these per-sequence budgets (each >= 1)."""
+        budgets = tuple(int(b) for b in budgets)
+        if len(budgets) != len(self.lengths):
+            raise PlanError(f"{len(self.lengths)} sequences but {len(budgets)} budgets")
+        if budgets and min(budgets) < 1:
+            i = min(range(len(budgets)), key=budgets.__getitem__)
+            raise PlanError(f"sequence {i}: budget {budgets[i]} must be >= 1")
+        return dataclasses.replace(self, budgets=budgets)
+
 
 # ----------------------------------------------------------------------- buffer arithmetic
 

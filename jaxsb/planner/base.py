@@ -50,7 +50,7 @@ class Solution:
 class Planner(Protocol):
     name: str
 
-    def solve(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Solution: ...
+    def solve(self, lengths: Sequence[int], budgets: Sequence[int] | None = None, coverage=None) -> Solution: ...
 
     def plan(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Plan: ...
 
@@ -61,13 +61,20 @@ class PlannerBase:
 
     name = ""
     runnable: Runnable | None = None
+    uses_coverage = False  # planners that choose budgets take coverage curves (one per sequence)
 
     def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         raise NotImplementedError
 
-    def solve(self, lengths: Sequence[int], budgets: Sequence[int] | None = None) -> Solution:
+    def solve(self, lengths: Sequence[int], budgets: Sequence[int] | None = None, coverage=None) -> Solution:
+        """`coverage`: per sequence its coverage curve C(1..K) (jaxsb.planner.coverage), for the
+        planners that choose budgets (`uses_coverage`); the others ignore it."""
         t0 = time.perf_counter()
-        plan, fields = self._solve([int(n) for n in lengths], budgets)
+        lengths = [int(n) for n in lengths]
+        if self.uses_coverage:
+            plan, fields = self._solve(lengths, budgets, coverage)
+        else:
+            plan, fields = self._solve(lengths, budgets)
         if self.runnable is not None:
             problem = self.runnable.problem(plan.template)
             if problem is not None:

@@ -464,13 +464,16 @@ def fit_calibrated(samples: Sequence[tuple[Any, float]], *, name: str = "calibra
 
 
 PRESET_NAMES = tuple(f"flexsp-a100:{m}" for m in FLEXSP_A100_MODELS) + (
-    "skrull-h100:qwen2.5-0.5b", "skrull-h100:qwen2.5-7b")
+    "skrull-h100:qwen2.5-0.5b", "skrull-h100:qwen2.5-7b",
+    "sparsebalance-h200:qwen2.5-0.5b", "sparsebalance-h200:qwen2.5-3b")
 
 
 def load_preset(name: str, **options: Any) -> CostModel:
     """A cost model by name: "flexsp-a100:gpt-7b|gpt-13b|gpt-30b" (options: num_devices,
     max_len, memory_limit_gb, params_key, bandwidth_gbs, block), "skrull-h100:<model>"
-    (jaxsb.planner.skrull_cost.SkrullCost), or a calibrated JSON file ("calibrated:PATH" or a path
+    (jaxsb.planner.skrull_cost.SkrullCost), "sparsebalance-h200:qwen2.5-0.5b|qwen2.5-3b"
+    (jaxsb.planner.pipeline_cost.PipelineCost; options pp, tp, block, base_budget, ...), or a
+    calibrated JSON file ("calibrated:PATH" or a path
     ending in .json)."""
     if name.startswith("calibrated:") or name.endswith(".json"):
         path = name.split(":", 1)[1] if name.startswith("calibrated:") else name
@@ -482,6 +485,10 @@ def load_preset(name: str, **options: Any) -> CostModel:
         if model not in FLEXSP_A100_MODELS:
             raise ValueError(f"unknown preset {name!r}; known: {', '.join(PRESET_NAMES)}")
         return FlexSPCost.preset(model, **options)
+    if family == "sparsebalance-h200":
+        from jaxsb.planner.pipeline_cost import PipelineCost
+
+        return PipelineCost.preset(model, **options)
     if family == "skrull-h100":
         from jaxsb.planner.skrull_cost import SkrullCost
 

@@ -18,12 +18,26 @@ PLANNERS = {
     "skrull": ("jaxsb.planner.skrull", "SkrullPlanner"),
     "jaxsb": ("jaxsb.planner.joint", "JaxsbPlanner"),
 }
+# SparseBalance's DP x PP setting (a cost model with setting == "pipeline", the simulator's
+# sparsebalance-h200 presets) has its own planners; training plans sequence-parallel groups.
+PIPELINE_PLANNERS = {
+    "sparsebalance": ("jaxsb.planner.sparsebalance", "SparseBalancePlanner"),
+    "jaxsb": ("jaxsb.planner.sparsebalance", "JaxsbPipelinePlanner"),
+}
 
 
-def planner_class(name: str):
-    if name not in PLANNERS:
-        raise ValueError(f"unknown planner {name!r}; known: {', '.join(PLANNERS)}")
-    module, cls = PLANNERS[name]
+def planner_class(name: str, setting: str = ""):
+    """The class of planner `name`; `setting` "pipeline" picks from PIPELINE_PLANNERS."""
+    if name not in PLANNERS and name not in PIPELINE_PLANNERS:
+        raise ValueError(f"unknown planner {name!r}; known: {', '.join(dict.fromkeys([*PLANNERS, *PIPELINE_PLANNERS]))}")
+    table = PIPELINE_PLANNERS if setting == "pipeline" else PLANNERS
+    if name not in table and setting == "pipeline":
+        raise ValueError(f"planner {name!r} plans sequence-parallel groups; SparseBalance's DP x PP setting "
+                         f"is planned by {', '.join(PIPELINE_PLANNERS)}")
+    if name not in table:
+        raise ValueError(f"planner {name!r} plans SparseBalance's DP x PP pipelines: use a sparsebalance-h200 "
+                         f"preset in the simulator; sequence-parallel planners: {', '.join(PLANNERS)}")
+    module, cls = table[name]
     try:
         mod = importlib.import_module(module)
     except ImportError as e:  # a registered name whose module is gone: say which
@@ -59,4 +73,4 @@ def planner_options(name: str, num_devices: int, *, time_limit_s: float | None =
 
 def make_planner(name: str, cost: CostModel, num_devices: int, **options):
     """`Planner(cost, num_devices, **options)` for a planner name (see PLANNERS)."""
-    return planner_class(name)(cost, num_devices, **options)
+    return planner_class(name, getattr(cost, "setting", ""))(cost, num_devices, **options)

@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxsb.planner.cost import group_times_ms, plan_memory_mb
 
-DISTRIBUTIONS = ("long-tail", "bimodal", "long-sft")
+DISTRIBUTIONS = ("long-tail", "bimodal", "long-sft", "chatqa2", "longalign")
 
 
 # ------------------------------------------------------------------------------- settings
@@ -52,9 +52,14 @@ def resolve_sizes(devices: int | None, dp: int | None, cp: int | None, global_ba
     return n
 
 
-def preset_options(preset: str, num_devices: int, max_len: int, items: Sequence[str]) -> dict:
-    """The cost model's options: FlexSP's profile scales with N and L; --preset-option KEY=VALUE."""
+def preset_options(preset: str, num_devices: int, max_len: int, items: Sequence[str], pp: int | None = None) -> dict:
+    """The cost model's options: FlexSP's profile scales with N and L; SparseBalance's setting
+    takes the pipeline depth (--pp); --preset-option KEY=VALUE."""
     options = dict(num_devices=num_devices, max_len=max_len) if preset.startswith("flexsp-a100:") else {}
+    if pp is not None:
+        if not is_pipeline_preset(preset):
+            raise ValueError(f"--pp {pp}: only the sparsebalance-h200 presets model pipelines")
+        options["pp"] = int(pp)
     for item in items:
         key, sep, val = item.partition("=")
         if not sep:
@@ -63,12 +68,25 @@ def preset_options(preset: str, num_devices: int, max_len: int, items: Sequence[
     return options
 
 
+def is_pipeline_preset(preset: str) -> bool:
+    return preset.startswith("sparsebalance-h200:")
+
+
 def make_planners(names: Sequence[str], items: Sequence[str], cost, num_devices: int, time_limit_s=None,
-                  dp=None, cp=None) -> tuple[dict, dict]:
+                  dp=None, cp=None, budget_options: dict | None = None, table_i: bool = False) -> tuple[dict, dict]:
     """({name: planner}, {name: its --planner-option NAME.KEY=VALUE options}); the options start
-    from the registry's mapping (the same as training's)."""
+    from the registry's mapping (the same as training's). `budget_options` (mbs, coverage_drop,
+    anchor, ...) go to every planner that chooses budgets; a name LABEL=KIND runs planner KIND
+    under the name LABEL; `table_i` puts SparseBalance's
+    ablation rows (TABLE_I) before `names`."""
     from jaxsb.planner.registry import make_planner, planner_options
 
+    own = {}
+    for n in names:  # "LABEL=KIND": planner KIND under its own name (two of one kind side by side)
+        label, _, kind = n.partition("=")
+        own[label] = (kind or label, {})
+    rows = {**TABLE_I, **{k: v for k, v in own.items() if k not in TABLE_I}} if table_i else own
+    names = list(rows)
     per_planner: dict[str, dict] = {name: {} for name in names}
     for item in items:
         key, sep, val = item.partition("=")
@@ -78,10 +96,16 @@ def make_planners(names: Sequence[str], items: Sequence[str], cost, num_devices:
         if pname not in per_planner:
             raise ValueError(f"--planner-option {item!r}: planner {pname!r} is not among --planner {list(names)}")
         per_planner[pname][opt] = parse_value(val)
+    pipeline = getattr(cost, "setting", "") == "pipeline"
     planners = {}
-    for name in names:
-        opts = planner_options(name, num_devices, time_limit_s=time_limit_s, degree=cp, dp=dp, cp=cp)
-        planners[name] = make_planner(name, cost, num_devices, **(opts | per_planner[name]))
+    for name, (kind, row) in rows.items():
+        if pipeline:
+            opts = dict(budget_options or {})
+        else:
+            opts = planner_options(kind, num_devices, time_limit_s=time_limit_s, degree=cp, dp=dp, cp=cp)
+            if budget_options and per_planner[name].get("budgets") == "dst":
+                opts |= {k: v for k, v in budget_options.items() if k != "mbs"}
+        planners[name] = make_planner(kind, cost, num_devices, **(opts | row | per_planner[name]))
     return planners, per_planner
 
 
@@ -114,7 +138,15 @@ def synthetic_lengths(name: str, seed: int = 0, chunk: int = 4096) -> Iterable[i
     * long-tail: lognormal with Wikipedia's median (347) and mean (1014): sigma 1.465, p99 ~10.5K;
     * bimodal: 85% around 1K tokens (lognormal, sigma 0.5), 15% around 32K (sigma 0.3);
     * long-sft: Skrull's long-SFT shape: 0.1% of sequences at ~38K tokens (±5%), the rest around
-      850 (lognormal, sigma 0.5)."""
+      850 (lognormal, sigma 0.5);
+    * chatqa2: ChatQA2-Long-SFT as SparseBalance describes it, bimodal, "mostly < 4K or > 16K":
+      40% lognormal around 1.5K (sigma 0.6, kept below 4K), 60% log-uniform in [16K, 32K]
+      (Qwen2.5-3B's context). The paper gives no histogram: the spreads are our reading and
+      the 60% long share was chosen so the case study's baseline imbalance (~1.9 here) is
+      near the paper's 1.81;
+    * longalign: LongAlign-10k, "8K-72K, most between 8K and 16K": lognormal around 12K
+      (sigma 0.45), kept within [8K, 72K].
+    Samples outside a mix's stated range are drawn again (the mix is the stated shape)."""
     if name not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {name!r}; known: {', '.join(DISTRIBUTIONS)}")
     rng = np.random.default_rng(seed)
@@ -124,16 +156,25 @@ def synthetic_lengths(name: str, seed: int = 0, chunk: int = 4096) -> Iterable[i
         elif name == "bimodal":
             long = rng.random(chunk) < 0.15
             x = np.where(long, rng.lognormal(math.log(32768), 0.3, chunk), rng.lognormal(math.log(1024), 0.5, chunk))
-        else:
+        elif name == "long-sft":
             long = rng.random(chunk) < 0.001
             x = np.where(long, rng.normal(38000, 1900, chunk), rng.lognormal(math.log(850), 0.5, chunk))
+        elif name == "chatqa2":
+            long = rng.random(chunk) < 0.60
+            short = rng.lognormal(math.log(1536), 0.6, chunk)
+            x = np.where(long, np.exp(rng.uniform(math.log(16384), math.log(32768), chunk)), short)
+            x = x[long | (short < 4096)]
+        else:
+            x = rng.lognormal(math.log(12288), 0.45, chunk)
+            x = x[(x >= 8192) & (x <= 73728)]
         yield from np.maximum(1, np.rint(x)).astype(np.int64).tolist()
 
 
 def make_batches(source: Iterable[int], num_devices: int, global_batch: int, max_len: int,
-                 steps: int) -> tuple[list[list[int]], int, int]:
-    """(batches, dropped, scanned): padded lengths cut into `steps` batches of `global_batch`."""
-    align = 2 * num_devices
+                 steps: int, align: int | None = None) -> tuple[list[list[int]], int, int]:
+    """(batches, dropped, scanned): lengths padded to multiples of `align` (2 * num_devices by
+    default), cut into `steps` batches of `global_batch`."""
+    align = 2 * num_devices if align is None else int(align)
     limit = max_len - align
     kept, dropped, scanned = [], 0, 0
     need = global_batch * steps
@@ -181,13 +222,55 @@ def describe_plan(cost, plan) -> list[dict]:
     return out
 
 
-def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print) -> dict:
-    """Plans every batch with every planner; returns per planner its steps and totals."""
+def coverage_source(spec: str | None, *, block: int, max_k: int, seed: int = 0):
+    """Per step its sequences' coverage curves: `(batch, step) -> [curve]`, or None.
+    spec "synthetic" (jaxsb.planner.coverage.synthetic_coverage, seeded by seed and step) or a
+    file of curves jaxsb measured (MeasuredCoverage)."""
+    from jaxsb.planner.coverage import MeasuredCoverage, synthetic_coverage
+
+    if spec is None:
+        return None
+    if spec == "synthetic":
+        return lambda batch, step: synthetic_coverage(batch, block=block, max_k=max_k, seed=seed * 100003 + step)
+    measured = MeasuredCoverage.load(spec)
+    return lambda batch, step: measured.curves_for(batch, max_k, seed=seed * 100003 + step)
+
+
+TABLE_I = {  # SparseBalance's Table I rows: name -> (planner, options)
+    "baseline": ("sparsebalance", dict(batching="none", dst=False)),
+    "+DST": ("sparsebalance", dict(batching="none", dst=True)),
+    "+SAB": ("sparsebalance", dict(batching="sab", dst=False)),
+    "+LBB": ("sparsebalance", dict(batching="lbb", dst=False)),
+    "+SAB+DST": ("sparsebalance", dict(batching="sab", dst=True)),
+    "+LBB+DST": ("sparsebalance", dict(batching="lbb", dst=True)),
+    "jaxsb": ("jaxsb", {}),
+}
+
+
+def _budget_records(rec: dict, plan, curves, base: int) -> None:
+    """Per sequence its length, base budget, budget and coverage drop; and their summary."""
+    from jaxsb.planner.dst import coverage_report
+
+    drops, summary = coverage_report(curves, base, plan.budgets)
+    rec["budgets"] = summary
+    rec["sequences"] = [dict(length=n, base_budget=base, budget=k, coverage_drop=round(d, 6))
+                        for n, k, d in zip(plan.lengths, plan.budgets, drops)]
+
+
+def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print, coverage=None,
+        reference: str = "static") -> dict:
+    """Plans every batch with every planner; returns per planner its steps and totals.
+    `coverage` (from `coverage_source`): curves handed to the planners that choose budgets;
+    speed-ups are against planner `reference` when it runs."""
+    from jaxsb.planner.pipeline_cost import imbalance
+
+    curves_of = [coverage(batch, step) if coverage else None for step, batch in enumerate(batches)]
+    pipeline = getattr(cost, "setting", "") == "pipeline"
     results = {}
     for name, planner in planners.items():
         steps = []
         for step, batch in enumerate(batches):
-            solution = planner.solve(batch)
+            solution = planner.solve(batch, coverage=curves_of[step])
             plan, info = solution.plan, solution.info
             ms = cost.plan_time_ms(plan)
             mem = plan_memory_mb(cost, plan)
@@ -198,6 +281,13 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print) -> di
                        microbatches=describe_plan(cost, plan))
             if info.lower_bound_ms is not None:
                 rec["lower_bound_ms"] = float(info.lower_bound_ms)
+            if pipeline:
+                rec["imbalance"] = imbalance([[t for t in row if t > 0] for row in cost.group_times_ms(plan)])
+            if getattr(planner, "uses_coverage", False):
+                rec["details"] = json.loads(json.dumps(dict(info.details), default=str))
+            if plan.budgets is not None and curves_of[step] is not None:
+                base = getattr(planner, "base", None) or planner.budget_options["base"]
+                _budget_records(rec, plan, curves_of[step], base)
             if not rec["feasible"]:
                 log(f"warning: {name} step {step}: plan needs {mem:.0f} MB per device, "
                     f"limit {cost.memory_limit_mb:.0f} MB")
@@ -209,12 +299,35 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print) -> di
                              max_solve_seconds=float(max(s["solve_seconds"] for s in steps)),
                              fell_back_steps=sum(s["fell_back"] for s in steps),
                              lower_bound_ms=lb, steps=steps)
-    ref = results.get("static")
+        if pipeline:
+            results[name]["mean_imbalance"] = float(np.mean([s["imbalance"] for s in steps]))
+        if all("budgets" in s for s in steps):
+            results[name]["max_coverage_drop"] = max(s["budgets"]["max_drop"] for s in steps)
+            results[name]["mean_coverage"] = float(np.mean([s["budgets"]["coverage_mean"] for s in steps]))
+    ref = results.get(reference)
     for r in results.values():
         r["speedup_vs_static"] = (ref["total_ms"] / r["total_ms"]) if ref and r["total_ms"] > 0 else None
+        r["reference"] = reference if ref else None
         r["lower_bound_gap"] = ((r["total_ms"] - r["lower_bound_ms"]) / r["lower_bound_ms"]
                                 if r["lower_bound_ms"] else None)
     return results
+
+
+def format_table_i(results: dict) -> str:
+    """SparseBalance's Table I analogue: imbalance (Eq. 11), iteration time, planning time,
+    speed-up over the reference row, and the coverage the budgets keep."""
+    head = (f"{'config':<10} {'imbalance':>9} {'iteration ms':>12} {'planning ms':>11} {'speed-up':>8} "
+            f"{'mean C(k)':>9} {'max drop':>8} {'LB gap':>7}")
+    lines = [head, "-" * len(head)]
+    for name, r in results.items():
+        n = len(r["steps"])
+        sp = f"{r['speedup_vs_static']:.2f}x" if r["speedup_vs_static"] else "-"
+        gap = f"{100 * r['lower_bound_gap']:.1f}%" if r["lower_bound_gap"] is not None else "-"
+        cov = f"{r['mean_coverage']:.3f}" if "mean_coverage" in r else "-"
+        drop = f"{r['max_coverage_drop']:.3f}" if "max_coverage_drop" in r else "-"
+        lines.append(f"{name:<10} {r.get('mean_imbalance', float('nan')):>9.2f} {r['total_ms'] / n:>12.1f} "
+                     f"{1000 * r['mean_solve_seconds']:>11.1f} {sp:>8} {cov:>9} {drop:>8} {gap:>7}")
+    return "\n".join(lines)
 
 
 def format_table(results: dict) -> str:

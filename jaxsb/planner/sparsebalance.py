@@ -1,0 +1,285 @@
+"""Planners for SparseBalance's setting (DP x PP pipelines, MoBA budgets): the paper's method
+and jaxsb's, which chooses the layout and the budgets together.
+
+Both plan for a `PipelineCost` (jaxsb.planner.pipeline_cost): the Plan's devices are the DP
+ranks, micro-batch slot m holds one degree-1 group per rank. Both are stateful across steps:
+they keep, per length bin (log2 of the sequence's block count), a moving average of the
+budgets finally chosen (`BudgetHistory`, SAB's k~(L); momentum 0.5, our choice: the paper does
+not give one) and update it after each plan. Budgets are planned from coverage curves
+(`solve(lengths, coverage=curves)`), one per sequence.
+
+`SparseBalancePlanner` (the paper, `../shared/notes/sparsebalance.md`): the global batch of
+gbs sequences is split into dp ranks x gbs / (mbs * dp) micro-batches of exactly mbs
+sequences:
+
+* batching `none` (the baseline): in data order, rank-major;
+* `sab`: a balanced partition by W = predict(L, k~(L)), first across the ranks, then into each
+  rank's micro-batches (largest W first, to the lightest bin with room);
+* `lbb` (length-based batching): the same partition by length;
+
+then DST (`dst=True`, jaxsb.planner.dst.tune with one k per micro-batch, the anchor over all
+micro-batches, stragglers cut within the floor, the others raised to the anchor).
+
+`JaxsbPipelinePlanner`: the same number of micro-batches per rank (the same 1F1B schedule),
+but any number of sequences per micro-batch within the memory of the in-flight micro-batches,
+budgets per document, raises only into idle time. It alternates layout and budgets: the
+layout balances the predicted times at a budget estimate (longest first to the lightest
+micro-batch, then moves and swaps that shorten the slowest one; micro-batches go to ranks
+largest first to the rank with the least work), DST (per document, raises into idle time
+only) re-chooses budgets for that layout, and the next round lays out again at those budgets.
+Round 0 lays out at the base budget, round 1 at the history's estimate, later rounds at the
+previous round's budgets. The fastest plan (then the most coverage) among its rounds and
+SparseBalance's own SAB + DST plan (a SparseBalancePlanner with its own history, run beside
+it) wins, so jaxsb is never slower than sparsebalance or than its own layout at the base
+budget. Its lower bound: `pp_lower_bound_ms` at every sequence's floor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from jaxsb.plan import GroupSpec, PlanError, build_plan
+from jaxsb.planner.base import PlannerBase, check_options
+from jaxsb.planner.coverage import coverage_at
+from jaxsb.planner.dst import ANCHORS, floors, tune
+from jaxsb.planner.pipeline_cost import check_pipeline_sizes, pp_lower_bound_ms
+
+BATCHINGS = ("none", "sab", "lbb")
+
+
+class BudgetHistory:
+    """Moving average of chosen budgets per log2 block-count bin (SAB's k~(L))."""
+
+    def __init__(self, base: int, block: int, momentum: float = 0.5):
+        self.base, self.block, self.momentum = int(base), int(block), float(momentum)
+        self.mean: dict[int, float] = {}
+
+    def bin(self, length: int) -> int:
+        return int(math.ceil(math.log2(max(1, -(-int(length) // self.block)))))
+
+    def predict(self, length: int) -> int:
+        return max(1, int(round(self.mean.get(self.bin(length), self.base))))
+
+    def update(self, lengths: Sequence[int], budgets: Sequence[int]) -> None:
+        seen: dict[int, list[int]] = {}
+        for n, k in zip(lengths, budgets):
+            seen.setdefault(self.bin(n), []).append(min(int(k), -(-int(n) // self.block)) if k > self.base else int(k))
+        for b, ks in seen.items():
+            old = self.mean.get(b, float(self.base))
+            self.mean[b] = self.momentum * old + (1 - self.momentum) * float(np.mean(ks))
+
+
+def balanced_partition(weights: Sequence[float], bins: int, capacity: int | None = None,
+                       items: Sequence[int] | None = None) -> list[list[int]]:
+    """Largest weight first to the lightest bin with room (at most `capacity` items)."""
+    items = list(range(len(weights))) if items is None else list(items)
+    out: list[list[int]] = [[] for _ in range(bins)]
+    load = [0.0] * bins
+    for i in sorted(items, key=lambda i: (-weights[i], i)):
+        open_bins = [b for b in range(bins) if capacity is None or len(out[b]) < capacity]
+        b = min(open_bins, key=lambda b: (load[b], b))
+        out[b].append(i)
+        load[b] += weights[i]
+    return out
+
+
+def _pipeline_plan(dp: int, ranks: Sequence[Sequence[Sequence[int]]], lengths, budgets, name: str):
+    """ranks[r][m] = sequence ids of rank r's m-th micro-batch -> Plan (slot m, group r)."""
+    n_mb = max(len(r) for r in ranks)
+    mbs = [[GroupSpec(1, "local", tuple(ranks[r][m]) if m < len(ranks[r]) else ()) for r in range(dp)]
+           for m in range(n_mb)]
+    return build_plan(dp, mbs, lengths, budgets=budgets, planner=name)
+
+
+class _PipelinePlanner(PlannerBase):
+    uses_coverage = True
+
+    def __init__(self, cost, num_devices: int, *, mbs: int = 1, global_batch: int | None = None,
+                 coverage_drop: float = 0.1, anchor: str = "mean", base_budget: int | None = None,
+                 max_blocks: int | None = None, history_momentum: float = 0.5, **options):
+        if getattr(cost, "setting", "") != "pipeline":
+            raise ValueError(f"{self.name}: plans DP x PP pipelines; use a sparsebalance-h200 preset "
+                             f"(cost model {getattr(cost, 'name', cost)!r} plans sequence-parallel groups)")
+        if anchor not in ANCHORS:
+            raise ValueError(f"{self.name}: anchor must be one of {ANCHORS}, got {anchor!r}")
+        if not 0 <= coverage_drop < 1:
+            raise ValueError(f"{self.name}: coverage_drop {coverage_drop} must lie in [0, 1)")
+        self.cost, self.dp, self.mbs, self.global_batch = cost, int(num_devices), int(mbs), global_batch
+        self.p, self.anchor = float(coverage_drop), anchor
+        self.base = int(base_budget or cost.base_budget)
+        self.max_blocks = int(max_blocks or 2 * self.base)
+        if not 1 <= self.base <= self.max_blocks:
+            raise ValueError(f"{self.name}: base budget {self.base} must lie in [1, max_blocks={self.max_blocks}]")
+        self.history = BudgetHistory(self.base, cost.block, history_momentum)
+        self._more_options(options)
+        check_options(self.name, options)
+
+    def _more_options(self, options: dict) -> None:
+        pass
+
+    def _sizes(self, lengths) -> int:
+        gbs = len(lengths)
+        if self.global_batch is not None and gbs != self.global_batch:
+            raise PlanError(f"{self.name}: planned for a global batch of {self.global_batch}, got {gbs} sequences")
+        return check_pipeline_sizes(self.name, gbs, self.dp, self.mbs)
+
+    def _curves(self, lengths, coverage):
+        if coverage is None or len(coverage) != len(lengths):
+            raise ValueError(f"{self.name}: needs one coverage curve per sequence "
+                             f"({len(lengths)} sequences, got {None if coverage is None else len(coverage)})")
+        return coverage
+
+    def _weights(self, lengths, budgets) -> list[float]:
+        return [self.cost.sequence_ms(n, k) for n, k in zip(lengths, budgets)]
+
+    def _tuned(self, plan, curves, per_document: bool, raise_to: str):
+        res = tune(self.cost, plan, curves, base=self.base, p=self.p, anchor=self.anchor,
+                   max_blocks=self.max_blocks, per_document=per_document, raise_to=raise_to)
+        return plan.with_budgets(res.budgets), res
+
+    def _finish(self, plan, lengths, curves, fields: dict):
+        self.history.update(lengths, plan.budgets)
+        floor_ms = [self.cost.sequence_ms(n, k) for n, k in zip(lengths, floors(curves, self.base, self.p))]
+        n_mb = len(plan.template.microbatches)
+        fields.setdefault("lower_bound_ms", pp_lower_bound_ms(self.cost, floor_ms, self.dp, n_mb))
+        return plan, fields
+
+
+class SparseBalancePlanner(_PipelinePlanner):
+    name = "sparsebalance"
+
+    def _more_options(self, options):
+        self.batching = options.pop("batching", "sab")
+        self.dst = bool(options.pop("dst", True))
+        if self.batching not in BATCHINGS:
+            raise ValueError(f"{self.name}: batching must be one of {BATCHINGS}, got {self.batching!r}")
+
+    def layout(self, lengths) -> list[list[list[int]]]:
+        """ranks[r][m]: sequence ids, mbs per micro-batch (module docstring)."""
+        n_mb = self._sizes(lengths)
+        per_rank = self.mbs * n_mb
+        if self.batching == "none":
+            return [[list(range(r * per_rank + m * self.mbs, r * per_rank + (m + 1) * self.mbs))
+                     for m in range(n_mb)] for r in range(self.dp)]
+        if self.batching == "sab":
+            w = self._weights(lengths, [self.history.predict(n) for n in lengths])
+        else:
+            w = [float(n) for n in lengths]
+        ranks = balanced_partition(w, self.dp, per_rank)
+        return [balanced_partition(w, n_mb, self.mbs, items=ids) for ids in ranks]
+
+    def _solve(self, lengths, budgets, coverage=None):
+        curves = self._curves(lengths, coverage)
+        plan = _pipeline_plan(self.dp, self.layout(lengths), lengths, [self.base] * len(lengths), self.name)
+        fields = dict(batching=self.batching, dst=self.dst)
+        if self.dst:
+            plan, res = self._tuned(plan, curves, per_document=False, raise_to="anchor")
+            fields.update(anchor_ms=res.anchors_ms[0], cut=res.cut, raised=res.raised, at_floor=res.at_floor)
+        return self._finish(plan, lengths, curves, fields)
+
+
+class JaxsbPipelinePlanner(_PipelinePlanner):
+    name = "jaxsb"
+
+    def _more_options(self, options):
+        self.rounds = max(1, int(options.pop("rounds", 3)))
+        self.budgets_mode = options.pop("budgets", "dst")
+        if self.budgets_mode not in ("dst", "base"):
+            raise ValueError(f"{self.name}: budgets must be 'dst' or 'base', got {self.budgets_mode!r}")
+        self._sparsebalance = SparseBalancePlanner(self.cost, self.dp, mbs=self.mbs, coverage_drop=self.p,
+                                                   anchor=self.anchor, base_budget=self.base,
+                                                   max_blocks=self.max_blocks)
+
+    def layout(self, lengths, budgets) -> list[list[list[int]]]:
+        """Balanced micro-batches of any size at these budgets, then micro-batches to ranks."""
+        n_mb = self._sizes(lengths)
+        cells = self.dp * n_mb
+        w = self._weights(lengths, budgets)
+        cap = self.cost.micro_batch_token_capacity(in_flight=min(self.cost.pp, n_mb))
+        groups = _balance(w, lengths, cells, cap)
+        load = [sum(w[i] for i in g) for g in groups]
+        order = balanced_partition(load, self.dp, n_mb)
+        return [[groups[j] for j in sorted(order[r], key=lambda j: -load[j])] for r in range(self.dp)]
+
+    def _solve(self, lengths, budgets, coverage=None):
+        curves = self._curves(lengths, coverage)
+        base = [self.base] * len(lengths)
+        estimate = [self.history.predict(n) for n in lengths]
+        if self.budgets_mode == "base":
+            plan = _pipeline_plan(self.dp, self.layout(lengths, base), lengths, base, self.name)
+            return self._finish(plan, lengths, curves, dict(rounds=0))
+        candidates = []
+
+        def consider(label, plan):
+            candidates.append((self.cost.plan_time_ms(plan), -_mean_coverage(curves, plan.budgets), len(candidates),
+                               label, dataclasses.replace(plan, planner=self.name)))
+
+        layouts = [("base", base)]  # its own plan at the base budget, tuned: never worse than that
+        for r in range(self.rounds):
+            label, at = layouts.pop() if layouts else (f"round {r}", estimate)
+            plan = _pipeline_plan(self.dp, self.layout(lengths, at), lengths, base, self.name)
+            plan, _ = self._tuned(plan, curves, per_document=True, raise_to="free")
+            consider(label, plan)
+            estimate = list(plan.budgets)
+        # SparseBalance's own plan (SAB + DST, with its own history): jaxsb is never slower
+        consider("sparsebalance", self._sparsebalance.solve(lengths, coverage=curves).plan)
+        ms, _, _, label, plan = min(candidates)
+        return self._finish(plan, lengths, curves, dict(rounds=self.rounds, chosen=label,
+                                                         candidates_ms={c[3]: round(c[0], 3) for c in candidates}))
+
+
+def _mean_coverage(curves, budgets) -> float:
+    return float(np.mean([coverage_at(c, k) for c, k in zip(curves, budgets)]))
+
+
+def _balance(w: Sequence[float], lengths: Sequence[int], cells: int, cap: int, max_moves: int = 200) -> list[list[int]]:
+    """Sequences into `cells` groups of at most `cap` tokens, minimising the heaviest group:
+    longest-processing-time first, then moves and swaps out of the heaviest group."""
+    groups: list[list[int]] = [[] for _ in range(cells)]
+    load, tokens = [0.0] * cells, [0] * cells
+    for i in sorted(range(len(w)), key=lambda i: (-w[i], i)):
+        fits = [g for g in range(cells) if tokens[g] + lengths[i] <= cap] or list(range(cells))
+        g = min(fits, key=lambda g: (load[g], g))
+        groups[g].append(i)
+        load[g] += w[i]
+        tokens[g] += lengths[i]
+    for _ in range(max_moves):
+        h = max(range(cells), key=lambda g: (load[g], -g))
+        best = None  # (new max of the pair, h item, other group, other item or None)
+        for i in groups[h]:
+            for g in range(cells):
+                if g == h:
+                    continue
+                if tokens[g] + lengths[i] <= cap:
+                    pair = max(load[h] - w[i], load[g] + w[i])
+                    if pair < load[h] - 1e-9 and (best is None or pair < best[0]):
+                        best = (pair, i, g, None)
+                for j in groups[g]:
+                    if w[j] >= w[i] or tokens[g] - lengths[j] + lengths[i] > cap:
+                        continue
+                    if tokens[h] - lengths[i] + lengths[j] > cap:
+                        continue
+                    pair = max(load[h] - w[i] + w[j], load[g] + w[i] - w[j])
+                    if pair < load[h] - 1e-9 and (best is None or pair < best[0]):
+                        best = (pair, i, g, j)
+        if best is None:
+            break
+        _, i, g, j = best
+        groups[h].remove(i)
+        groups[g].append(i)
+        load[h] -= w[i]
+        load[g] += w[i]
+        tokens[h] -= lengths[i]
+        tokens[g] += lengths[i]
+        if j is not None:
+            groups[g].remove(j)
+            groups[h].append(j)
+            load[g] -= w[j]
+            load[h] += w[j]
+            tokens[g] -= lengths[j]
+            tokens[h] += lengths[j]
+    return groups
