@@ -39,14 +39,26 @@ def _one_of(value: str, allowed: tuple[str, ...], field: str) -> None:
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
     """Dynamic block-sparse attention (model.attention=sparse): each query block attends to
-    its `top_k` best key blocks (MoBA-style routing), the diagonal block always included."""
+    its budget of best key blocks (MoBA-style routing), the diagonal block always included.
+
+    `top_k` is the base budget (every sequence's unless a planner chooses budgets);
+    `max_blocks` the static bound on any budget (0: the row's blocks), so budgets change
+    without recompiling; `coverage_drop` is p of the runtime floor (jaxsb.models.router): a
+    document whose budget would keep more than p less routing mass than at `top_k` runs at
+    the smallest budget within p instead (1 or more switches the floor off)."""
 
     block_size: int = 128
-    top_k: int = 8  # default per-sequence budget, in key blocks
+    top_k: int = 8  # base budget per sequence, in key blocks
+    max_blocks: int = 0  # static bound on budgets; 0 = the row's blocks
+    coverage_drop: float = 0.1  # p of the runtime floor; >= 1: no floor
 
     def validate(self, prefix: str = "model.sparse") -> None:
         _check(self.block_size >= 1, f"{prefix}.block_size", f"must be >= 1, got {self.block_size}")
         _check(self.top_k >= 1, f"{prefix}.top_k", f"must be >= 1 (the diagonal block), got {self.top_k}")
+        _check(self.max_blocks == 0 or self.max_blocks >= self.top_k, f"{prefix}.max_blocks",
+               f"must be 0 (no bound) or >= top_k={self.top_k}, got {self.max_blocks}")
+        _check(0 <= self.coverage_drop, f"{prefix}.coverage_drop",
+               f"must be >= 0 (a coverage share; >= 1 switches the floor off), got {self.coverage_drop}")
 
 
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")

@@ -118,11 +118,11 @@ def ring_values(ring, ref, seed, dtype, tied_keys=False):
     return (cast(qr), cast(kr), cast(vr), jnp.asarray(ctr)), (cast(q), cast(k), cast(v), jnp.asarray(ct))
 
 
-@functools.partial(jax.jit, static_argnames=("dense",))
-def ring_reference(q, k, v, seg, bud, ct, dense=False):
+@functools.partial(jax.jit, static_argnames=("dense", "floor"))
+def ring_reference(q, k, v, seg, bud, ct, dense=False, floor=None):
     if dense:
         attend = lambda q, k, v: attention_reference(q, k, v, seg)  # noqa: E731
     else:
-        attend = lambda q, k, v: sparse_attend(q, k, v, seg, bud, block_size=BS)[0]  # noqa: E731
+        attend = lambda q, k, v: sparse_attend(q, k, v, seg, bud, block_size=BS, floor=floor)[0]  # noqa: E731
     out, vjp = jax.vjp(attend, q, k, v)
     return out, vjp(ct.astype(out.dtype))

@@ -45,3 +45,24 @@ def test_check_hf_export_exports_and_checks_where_transformers_is(tmp_path):
     pytest.importorskip("torch")  # the check half needs transformers (not a CI dependency)
     pytest.importorskip("transformers")
     assert "all 1 exports match" in _run("scripts/check_hf_export.py", "check", str(tmp_path))
+
+
+def test_measure_coverage_feeds_the_simulator(tmp_path):
+    """A real model's coverage curves (SmolLM2, two short documents) -> simulate --coverage FILE."""
+    import json
+
+    path = tmp_path / "coverage.json"
+    out = _run("scripts/measure_coverage.py", "--docs", "2", "--max-len", "600", "--block", "64", "--max-k", "16",
+               "--out", str(path))
+    assert "wrote" in out, out
+    data = json.loads(path.read_text())
+    assert data["block_size"] == 64 and len(data["documents"]) == 2
+    for doc in data["documents"]:
+        c = doc["curve"]
+        assert len(c) == 16 and all(0 <= a <= b + 1e-9 <= 1 + 1e-6 for a, b in zip(c, c[1:])) and c[-1] == 1.0
+    out = _run("-m", "jaxsb.simulate", "--preset", "sparsebalance-h200:qwen2.5-0.5b", "--preset-option", "block=64",
+               "--dp", "2", "--pp", "2", "--mbs", "2", "--global-batch", "8", "--dist", "longalign", "--steps", "1",
+               "--coverage", str(path), "--planner", "sparsebalance", "--planner", "jaxsb",
+               "--planner-option", "sparsebalance.max_blocks=16", "--planner-option", "jaxsb.max_blocks=16",
+               "--planner-option", "sparsebalance.base_budget=8", "--planner-option", "jaxsb.base_budget=8")
+    assert "jaxsb" in out and "sparsebalance" in out, out

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsb.config import ModelConfig
-from jaxsb.models.attention import attend, current_override, sparse_attend
+from jaxsb.models.attention import attend, current_override, sparse_attend, sparse_options
 from jaxsb.models.rope import apply_rope, rope_cos_sin
 
 
@@ -72,11 +72,11 @@ class Attention(nnx.Module):
             for name, value in stats.items():
                 self.sow(nnx.Intermediate, name, value)
         elif cfg.attention == "sparse":
-            out_BxTxHxD, blocks, coverage = sparse_attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
-                                                          budgets_B, block_size=cfg.sparse.block_size)
+            out_BxTxHxD, stats = sparse_attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, budgets_B,
+                                               **sparse_options(cfg))
             # per-layer routing statistics, collected by the trainer (nnx.Intermediate)
-            self.sow(nnx.Intermediate, "sparse_blocks", blocks)
-            self.sow(nnx.Intermediate, "sparse_coverage", coverage)
+            for name, value in stats.items():
+                self.sow(nnx.Intermediate, name, value)
         else:
             out_BxTxHxD = attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
                                  implementation=cfg.attention, block=cfg.attention_block)

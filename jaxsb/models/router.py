@@ -36,8 +36,20 @@ that document (those whose first token is the document's: `document_coverage_cur
 side). C(k) is the mass of the best k blocks; the router's own selection puts the diagonal
 first, so the mass it keeps with budget k is at most C(k).
 
+Runtime quality floor (SparseBalance's Algorithm 1, `route(..., floor=(k_base, p))`): from the
+same scores, each query block takes the curve C(k) of the document routed for it (c(k)
+averaged over the kv heads and over that document's query blocks in the row:
+`document_curves`; under Ulysses the kv heads are spread over devices and `head_sum` adds
+their partial sums). A document whose planned budget k loses more than p against the base
+budget, C(k_base) - C(k) > p, runs at k_min(p) instead, the smallest k with
+C(k) >= C(k_base) - p (`apply_floor`); raised budgets (k > k_base) are never touched.
+Budgets stay data: `max_blocks` (static) bounds them and the curves (C(k) for k past
+max_blocks is taken as C(max_blocks), so k_base is used as min(k_base, max_blocks)); the
+kernels follow the final counts. The decisions come back in `Coverage.floor` (`Floor`:
+planned and final budget per query block, whether it was overridden, its real tokens).
+
 Selection is not differentiable (inputs are stop_gradient-ed); everything is jit-able with
-static `block_size` / `max_blocks`.
+static `block_size` / `max_blocks` / `floor`.
 """
 
 from __future__ import annotations
@@ -50,11 +62,77 @@ import jax.numpy as jnp
 from jax import lax
 
 
+class Floor(NamedTuple):
+    """The runtime floor's decisions per (row, query block) [B, nq]."""
+
+    planned: jax.Array  # int32: the planned budget (clipped to [1, max_blocks])
+    final: jax.Array  # int32: the budget the block runs at
+    overridden: jax.Array  # bool: the floor raised it
+    tokens: jax.Array  # float32: the block's real (non-padding) tokens
+
+
 class Coverage(NamedTuple):
-    """Routing mass kept by the selection: per (row, kv head) [B, K] and per row [B]."""
+    """Routing mass kept by the selection: per (row, kv head) [B, K] and per row [B]; `floor`
+    when the runtime floor ran."""
 
     per_kv_head: jax.Array
     per_row: jax.Array
+    floor: Floor | None = None
+
+
+def block_curves(scores, max_k: int):
+    """c(1..max_k) [B, K, nq, max_k] per (row, kv head, query block) from routing scores
+    [B, K, nq, nb] (-inf where ineligible): the sorted softmax masses' running sum, exactly 1
+    once k reaches the visible blocks."""
+    p = jax.nn.softmax(scores, axis=-1)  # ineligible (-inf) blocks get 0
+    top, _ = lax.top_k(p, max_k)
+    curve = jnp.cumsum(top, axis=-1)
+    visible = jnp.isfinite(scores).sum(-1, keepdims=True)
+    return jnp.where(jnp.arange(1, max_k + 1) >= visible, 1.0, jnp.minimum(curve, 1.0))
+
+
+def routed_documents(segment_ids, B: int, T: int, block_size: int):
+    """[B, nq] int32: the segment id of each query block's first token (0 for padding)."""
+    nb = -(-T // block_size)
+    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
+    return _pad_t(seg, nb * block_size)[:, ::block_size]
+
+
+def document_curves(curves, routed, head_sum=None):
+    """[B, nq, max_k]: for each query block, C(k) of the document routed for it — c(k) averaged
+    over the kv heads (`head_sum` adds partial head sums across devices, e.g. a psum under
+    Ulysses) and over the document's query blocks; a padding block (id <= 0) keeps its own."""
+    c = curves.sum(1)
+    heads = jnp.float32(curves.shape[1])
+    if head_sum is not None:
+        c, heads = head_sum(c), head_sum(heads)
+    return document_mean(c, routed, routed, c, heads)
+
+
+def document_mean(sums_k, doc_q, doc_k, own_q, heads):
+    """[B, nq, M]: per query block with document doc_q > 0, the mean over the key-side blocks
+    of the same document (doc_k [B, nk]) of their head-summed curves sums_k [B, nk, M], over
+    `heads`; a padding query block (doc_q <= 0) keeps its own head sum own_q [B, nq, M]."""
+    same = ((doc_k[:, None, :] == doc_q[:, :, None]) & (doc_q[:, :, None] > 0)).astype(jnp.float32)
+    total = jnp.einsum("bnj,bjk->bnk", same, sums_k, precision=lax.Precision.HIGHEST)
+    count = same.sum(-1)[..., None]
+    return jnp.where(count > 0, total / jnp.maximum(count, 1.0), own_q) / heads
+
+
+def apply_floor(doc_curves, planned, base: int, p: float, routed=None):
+    """(final [B, nq] int32, overridden [B, nq] bool): the module docstring's floor on planned
+    budgets [B, nq] given each query block's document curve [B, nq, M]."""
+    M = doc_curves.shape[-1]
+    kb = max(1, min(int(base), M))
+    planned = jnp.clip(planned.astype(jnp.int32), 1, M)
+    c_base = doc_curves[..., kb - 1]
+    c_plan = jnp.take_along_axis(doc_curves, (planned - 1)[..., None], axis=-1)[..., 0]
+    overridden = c_base - c_plan > p
+    if routed is not None:
+        overridden = overridden & (routed > 0)
+    # C is non-decreasing: the k < kb below the target are a prefix; k_min is the next one
+    k_min = 1 + (doc_curves[..., : kb - 1] < (c_base - p)[..., None]).sum(-1)
+    return jnp.where(overridden, k_min, planned).astype(jnp.int32), overridden
 
 
 def _pad_t(x, n, value=0):
@@ -129,15 +207,17 @@ def block_scores(q, k, segment_ids, block_size: int):
     return scores, weights
 
 
-def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | None = None):
+def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | None = None,
+          floor: tuple[int, float] | None = None, head_sum=None):
     """Top-k key blocks per query block with a per-sequence k.
 
     q [B,T,H,D], k [B,T,K,D], segment_ids [B,T] int or None, budgets [B] int (key blocks per
     query block, clamped to [1, max_blocks]) or [B,T] per token (a query block takes the budget
     of its first token, i.e. of the document routed for it — per-sequence budgets in packed
     rows whose documents start at block boundaries), block_size and max_blocks static (max_blocks
-    defaults to nb = ceil(T / block_size)). Returns (block_indices [B,K,nb,max_blocks] int32,
-    block_counts [B,K,nb] int32, Coverage).
+    defaults to nb = ceil(T / block_size)). `floor` = (k_base, p) (static) runs the runtime
+    floor (module docstring; `head_sum` as in `document_curves`). Returns (block_indices
+    [B,K,nb,max_blocks] int32, block_counts [B,K,nb] int32, Coverage).
     """
     B, T, H, D = q.shape
     K = k.shape[2]
@@ -155,6 +235,8 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
         raise ValueError(f"budgets.shape={tuple(jnp.shape(budgets))} must be (B,)={(B,)} or (B, T)={(B, T)}")
     if segment_ids is not None and tuple(segment_ids.shape) != (B, T):
         raise ValueError(f"segment_ids.shape={tuple(segment_ids.shape)} must be (B, T)={(B, T)}")
+    if floor is not None and (len(floor) != 2 or int(floor[0]) < 1 or not 0 <= float(floor[1])):
+        raise ValueError(f"floor={floor!r} must be (k_base >= 1, p >= 0)")
 
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)
     scores, weights = block_scores(q, k, segment_ids, block_size)  # [B,K,nq,nb], [B,nq]
@@ -170,6 +252,14 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     else:
         budget = budgets[:, None, None]
     budget = jnp.clip(budget, 1, max_blocks)
+    floor_info = None
+    if floor is not None:
+        planned = jnp.broadcast_to(budget[:, 0, :], (B, nb))
+        routed = routed_documents(segment_ids, B, T, block_size)
+        doc = document_curves(block_curves(scores, max_blocks), routed, head_sum)
+        final, overridden = apply_floor(doc, planned, floor[0], floor[1], routed)
+        floor_info = Floor(planned, final, overridden, weights)
+        budget = final[:, None, :]
     counts = jnp.minimum(budget, n_eligible).astype(jnp.int32)
 
     # Coverage: softmax over eligible scores; selected = first `counts` ranked entries.
@@ -179,7 +269,7 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     kept = jnp.clip(kept, 0.0, 1.0)  # [B, K, nq]
     w = jnp.where(weights.sum(-1, keepdims=True) > 0, weights, 1.0)[:, None, :]  # [B, 1, nq]
     per_head = (kept * w).sum(-1) / w.sum(-1)
-    return idx.astype(jnp.int32), counts, Coverage(per_head, per_head.mean(-1))
+    return idx.astype(jnp.int32), counts, Coverage(per_head, per_head.mean(-1), floor_info)
 
 
 def coverage_curves(q, k, segment_ids, block_size: int = 128, max_k: int | None = None):
@@ -193,14 +283,7 @@ def coverage_curves(q, k, segment_ids, block_size: int = 128, max_k: int | None 
     max_k = nb if max_k is None else max_k
     if not isinstance(max_k, int) or not 1 <= max_k <= nb:
         raise ValueError(f"max_k={max_k!r} must be an int in [1, {nb}]")
-    p = jax.nn.softmax(scores, axis=-1)  # ineligible (-inf) blocks get 0
-    top, _ = lax.top_k(p, max_k)
-    curve = jnp.cumsum(top, axis=-1)
-    visible = jnp.isfinite(scores).sum(-1, keepdims=True)  # [B, K, nq, 1]
-    curve = jnp.where(jnp.arange(1, max_k + 1) >= visible, 1.0, jnp.minimum(curve, 1.0))
-    seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
-    routed = _pad_t(seg, nb * block_size)[:, ::block_size]
-    return curve, routed
+    return block_curves(scores, max_k), routed_documents(segment_ids, B, T, block_size)
 
 
 def document_coverage_curves(curves, routed) -> dict:

@@ -42,7 +42,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxsb.config import ModelConfig
 from jaxsb.mesh import AXIS
-from jaxsb.models.attention import attend, attention_override, ring_implementation, sparse_attend
+from jaxsb.models.attention import attend, attention_override, ring_implementation, sparse_attend, sparse_options
 from jaxsb.models.loss import next_token_loss
 from jaxsb.models.stats import pop_layer_stats
 from jaxsb.plan.layout import FIELDS, SeqData, layout_microbatch
@@ -64,10 +64,10 @@ def microbatch_mesh(mesh: Mesh, mb: MicroBatch) -> tuple[Mesh, Any]:
 def _local_attention(model_cfg: ModelConfig, stats: list):
     """Whole-sequence attention on one device's rows (dense or routed block-sparse)."""
 
-    def fn(q, k, v, seg, budgets_BxT):
+    def fn(q, k, v, seg, budgets_BxT, head_sum=None):
         if model_cfg.attention == "sparse":
-            out, blocks, coverage = sparse_attend(q, k, v, seg, budgets_BxT, block_size=model_cfg.sparse.block_size)
-            stats.append((blocks, coverage, jnp.sum(seg > 0)))
+            out, layer = sparse_attend(q, k, v, seg, budgets_BxT, **sparse_options(model_cfg), head_sum=head_sum)
+            stats.append((layer, jnp.sum(seg > 0)))
             return out
         return attend(q, k, v, seg, implementation=model_cfg.attention, block=model_cfg.attention_block)
 
@@ -88,10 +88,14 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             from jaxsb.parallel.ring_sparse import ring_sparse_attention
 
             groups = tuple((g.start, g.degree) for g in mb.groups)
-            out, blocks, coverage = ring_sparse_attention(
+            opts = sparse_options(model_cfg)
+            stream = 2 * max(g.degree for g in mb.groups) * (S // (2 * opts["block_size"]))
+            max_blocks = None if opts["max_blocks"] is None else min(opts["max_blocks"], stream)
+            out, layer = ring_sparse_attention(
                 qa, ka, va, sa, pos_BxT[:, :S], budgets_BxT[:, :S], axis_name=AXIS, groups=groups,
-                block_size=model_cfg.sparse.block_size, implementation=ring_implementation(model_cfg))
-            stats.append((blocks, coverage, jnp.sum(sa > 0)))
+                block_size=opts["block_size"], max_blocks=max_blocks, floor=opts["floor"],
+                implementation=ring_implementation(model_cfg))
+            stats.append((layer, jnp.sum(sa > 0)))
         elif mb.scheme == "ring":
             from jaxsb.parallel.ring import ring_attention
 
@@ -102,8 +106,10 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             from jaxsb.parallel.ulysses import ulysses_attention
 
             full_budgets = jax.lax.all_gather(budgets_BxT[:, :S], SP_AXIS, axis=1, tiled=True)
+            # heads are spread over the group: the floor's document curves add up over it
             out = ulysses_attention(qa, ka, va, sa, axis_name=SP_AXIS, degree=mb.groups[0].degree,
-                                    attention_fn=lambda q_, k_, v_, s_: local(q_, k_, v_, s_, full_budgets))
+                                    attention_fn=lambda q_, k_, v_, s_: local(
+                                        q_, k_, v_, s_, full_budgets, head_sum=lambda x: jax.lax.psum(x, SP_AXIS)))
         else:
             out = local(qa, ka, va, sa, budgets_BxT[:, :S])
         if mb.local_len:
@@ -111,10 +117,8 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             out = jnp.concatenate([out, out_local], axis=1)
         layer_stats = {}
         if stats:  # token-weighted means over the calls of this layer
-            w = sum(n for _, _, n in stats)
-            w = jnp.maximum(w, 1)
-            layer_stats = {"sparse_blocks": sum(b * n for b, _, n in stats) / w,
-                           "sparse_coverage": sum(c * n for _, c, n in stats) / w}
+            w = jnp.maximum(sum(n for _, n in stats), 1)
+            layer_stats = {key: sum(layer[key] * n for layer, n in stats) / w for key in stats[0][0]}
         return out, layer_stats
 
     return fn

@@ -124,11 +124,13 @@ def _pool(q, k, seg, bs: int):
     return qbar, kbar, doc, weights
 
 
-def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int):
-    """(sorted owners, sorted local indices [B,K,nb,M], mean blocks, mean coverage).
+def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None):
+    """(sorted owners, sorted local indices [B,K,nb,M], stats).
 
     Slots hold the selected blocks of each (row, kv head, query block) grouped by owning rank
-    (ascending), in selection order within a rank; slots past the count have owner -1."""
+    (ascending), in selection order within a rank; slots past the count have owner -1.
+    `floor` = (k_base, p): route()'s runtime floor, the document curves averaged over the
+    document's blocks on every rank of the ring (their head-summed curves go around it)."""
     q, k = lax.stop_gradient(q), lax.stop_gradient(k)
     B, T, H, D = q.shape
     K, bs = k.shape[2], cfg.block
@@ -160,6 +162,22 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int):
     scores = jnp.where(eligible, jnp.where(diag, s_diag[..., None], s), -jnp.inf)
     _, idx = lax.top_k(jnp.where(diag, jnp.inf, scores), M)  # ties: lower global index
     budget = jnp.clip(jnp.asarray(budgets, jnp.int32)[:, ::bs][:, None, :], 1, M)
+    floor_info = None
+    if floor is not None:
+        from jaxsb.models.router import Floor, apply_floor, block_curves, document_mean
+
+        c_local = block_curves(scores, M).sum(1)  # [B, nb, M] summed over kv heads
+
+        def gather_curves(active, _local, ride, _acc, cg):
+            c_r, g_r = ride
+            return None, cg.at[:, jnp.where(active, g_r, nbg)].set(c_r, mode="drop")
+
+        _, cg = ring_loop(cfg, gather_curves, (c_local, gq), None, vma_full(c_local, (B, nbg, M)))
+        doc_curve = document_mean(cg, doc, dg, c_local, jnp.float32(K))
+        planned = jnp.broadcast_to(budget[:, 0, :], (B, T // bs))
+        final, overridden = apply_floor(doc_curve, planned, floor[0], floor[1], doc)
+        floor_info = Floor(planned, final, overridden, weights)
+        budget = final[:, None, :]
     counts = jnp.broadcast_to(jnp.minimum(budget, eligible.sum(-1)), (B, K, T // bs))
     slot_ok = jnp.arange(M) < counts[..., None]
 
@@ -168,8 +186,12 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int):
     w = weights[:, None, :]
     total = K * weights.sum()
     denom = jnp.maximum(total, 1.0)
-    mean_blocks = jnp.where(total > 0, (counts * w).sum() / denom, 0.0)
-    mean_coverage = jnp.where(total > 0, (kept * w).sum() / denom, 0.0)
+    stats = {"sparse_blocks": jnp.where(total > 0, (counts * w).sum() / denom, 0.0),
+             "sparse_coverage": jnp.where(total > 0, (kept * w).sum() / denom, 0.0)}
+    if floor_info is not None:
+        from jaxsb.models.attention import floor_stats
+
+        stats.update(floor_stats(floor_info))
 
     owner, local = _owner(idx, degree, cb)
     last = cfg.max_degree * M  # slots past the count sort after every owner's
@@ -177,7 +199,7 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int):
     s_owner = jnp.where(jnp.take_along_axis(slot_ok, order, -1),
                         jnp.take_along_axis(owner, order, -1), _NO_OWNER)
     s_local = jnp.take_along_axis(local, order, -1)
-    return s_owner.astype(jnp.int32), s_local.astype(jnp.int32), mean_blocks, mean_coverage
+    return s_owner.astype(jnp.int32), s_local.astype(jnp.int32), stats
 
 
 def _slots(s_owner, origin, active):
@@ -443,6 +465,7 @@ def ring_sparse_attention(
     max_blocks: int | None = None,
     implementation: str = "auto",
     interpret: bool | None = None,
+    floor: tuple[int, float] | None = None,
 ):
     """Routed block-sparse causal document attention over ring groups (inside shard_map).
 
@@ -450,9 +473,9 @@ def ring_sparse_attention(
     budget of its first token): this device's T = 2c tokens of its ring's zigzag stream (see
     the module docstring; T % (2*block_size) == 0). `groups` as in ring_attention.
     `max_blocks` (static) caps the blocks per query block; default the largest ring's stream
-    blocks, which never binds (route()'s default). Returns (out [B,T,H,D] in q's dtype,
-    mean selected blocks, mean coverage), the statistics float32 scalars weighted by real
-    tokens. Differentiable in q, k, v through the attention (the selection is not), ring
+    blocks, which never binds (route()'s default); `floor` = (k_base, p): route()'s runtime
+    floor. Returns (out [B,T,H,D] in q's dtype, stats: sparse_attend's names, float32 scalars
+    weighted by real tokens). Differentiable in q, k, v through the attention (the selection is not), ring
     backward; differentiate outside the shard_map when check_vma=False (see ring_attention).
 
     `implementation`: "xla" (this module's gather loops), "pallas" (each round one call of the
@@ -465,13 +488,13 @@ def ring_sparse_attention(
                              axis_name, groups, block_size, max_blocks, implementation, interpret)
     seg = seg_BxT.astype(jnp.int32)
     pos = pos_BxT.astype(jnp.int32)
-    s_owner, s_local, blocks, coverage = _route(q_BxTxHxD, k_BxTxKxD, seg, budgets_BxT, cfg, max_blocks)
+    s_owner, s_local, stats = _route(q_BxTxHxD, k_BxTxKxD, seg, budgets_BxT, cfg, max_blocks, floor)
     out = _sparse_ring(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg, pos, s_owner, s_local, cfg)
-    return out, blocks, coverage
+    return out, stats
 
 
 def ring_sparse_iterations(q_BxTxHxD, k_BxTxKxD, seg_BxT, budgets_BxT, *, axis_name: str, groups,
-                           block_size: int, max_blocks: int | None = None) -> jax.Array:
+                           block_size: int, max_blocks: int | None = None, floor=None) -> jax.Array:
     """int32 [max_degree]: the attention loop's iterations per round on this device (each one
     (query block, key block) pair per query block), for tests and planning. Call in shard_map."""
     B, T = seg_BxT.shape
@@ -479,7 +502,7 @@ def ring_sparse_iterations(q_BxTxHxD, k_BxTxKxD, seg_BxT, budgets_BxT, *, axis_n
     pos = jnp.zeros_like(seg_BxT)
     cfg, max_blocks = _check(q_BxTxHxD, k_BxTxKxD, v, seg_BxT, pos, budgets_BxT, axis_name,
                              groups, block_size, max_blocks)
-    s_owner, _, _, _ = _route(q_BxTxHxD, k_BxTxKxD, seg_BxT.astype(jnp.int32), budgets_BxT, cfg, max_blocks)
+    s_owner, _, _ = _route(q_BxTxHxD, k_BxTxKxD, seg_BxT.astype(jnp.int32), budgets_BxT, cfg, max_blocks, floor)
     rank, degree = _rank_degree(cfg)
     r = jnp.arange(cfg.max_degree, dtype=jnp.int32)
     origins = (rank - r) % degree

@@ -131,6 +131,10 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
             record["sparse_budget"] = model_cfg.sparse.top_k
             record["sparse_blocks"] = sparse_blocks  # mean selected per query block
             record["sparse_coverage"] = float(metrics["sparse_coverage"])
+            # the runtime floor (model.sparse.coverage_drop): token-weighted means over the layers
+            for key in ("floor_planned", "floor_final", "floor_overridden"):
+                if key in metrics:
+                    record[f"sparse_{key}"] = float(metrics[key])
         writer.write(record)
         progress.update(p["step"], record["loss"], record["tokens_per_s"])
         tokens_total += tokens

@@ -216,10 +216,11 @@ def _run(q, k, v, seg, pos, bud, ct, groups, implementation, block=BS, check_vma
     """(out, blocks, coverage) and (dq, dk, dv) of the psum'd loss, taken outside shard_map."""
 
     def body(q, k, v, seg, pos, bud, ct):
-        out, blocks, cov = ring_sparse_attention(
+        out, stats = ring_sparse_attention(
             q, k, v, seg, pos, bud, axis_name="d", groups=groups, block_size=block,
             implementation=implementation,
             interpret=interpret if implementation == "pallas" else None)
+        blocks, cov = stats["sparse_blocks"], stats["sparse_coverage"]
         return jnp.sum(out.astype(jnp.float32) * ct)[None], (out, blocks[None], cov[None])
 
     mesh = Mesh(np.array(jax.devices()[:n]), ("d",))
@@ -345,7 +346,7 @@ def test_compiled_sparse_ring_lowers_to_triton_under_check_vma():
     cfg = RingConfig("d", ((0, 2),), 16, implementation="pallas", interpret=False)
 
     def body(q, k, v, s, p, b):
-        s_owner, s_local, _, _ = ring_sparse._route(q, k, s, b, cfg, 8)
+        s_owner, s_local, _ = ring_sparse._route(q, k, s, b, cfg, 8)
         return ring_sparse._sparse_ring(q, k, v, s, p, s_owner, s_local, cfg)
 
     f = shard_map(body, mesh=mesh, in_specs=(P(None, "d"),) * 6, out_specs=P(None, "d"),

@@ -227,3 +227,55 @@ def test_coverage_curves_match_numpy():
         assert (np.asarray(cov.per_kv_head) <= best + 1e-6).all()
         if budget == 1:  # the diagonal alone is rarely the best block: strictly less somewhere
             assert (np.asarray(cov.per_kv_head) < best - 1e-3).any()
+
+
+def _numpy_floor(scores, routed, planned, base, p, max_k):
+    """The runtime floor from the same scores, in float64 numpy: per (row, kv head, query block)
+    the sorted softmax masses' running sum (1 once k covers the visible blocks), averaged over
+    kv heads and the query blocks of the block's document; override when C(base) - C(k) > p."""
+    B, Kh, nq, _ = scores.shape
+    curves = np.zeros((B, Kh, nq, max_k))
+    for b, kh, n in np.ndindex(B, Kh, nq):
+        s = scores[b, kh, n][np.isfinite(scores[b, kh, n])]
+        w = np.exp(s - s.max())
+        w = np.sort(w / w.sum())[::-1]
+        c = np.cumsum(w)
+        curves[b, kh, n] = [1.0 if kk >= len(s) else min(c[kk - 1], 1.0) for kk in range(1, max_k + 1)]
+    final, over = planned.copy(), np.zeros_like(planned, bool)
+    for b, n in np.ndindex(B, nq):
+        d = routed[b, n]
+        blocks = np.nonzero(routed[b] == d)[0] if d > 0 else [n]
+        C = curves[b][:, blocks].mean(axis=(0, 1))
+        kb = min(base, max_k)
+        if d > 0 and C[kb - 1] - C[planned[b, n] - 1] > p:
+            over[b, n] = True
+            final[b, n] = 1 + sum(C[kk - 1] < C[kb - 1] - p for kk in range(1, kb))
+    return final, over
+
+
+@pytest.mark.parametrize("base,p", [(4, 0.05), (3, 0.2), (6, 0.0)])
+def test_runtime_floor_matches_numpy(base, p):
+    from jaxsb.models.router import block_scores
+
+    q, k = _qk(seed=3)
+    seg = _segments(DOCS)
+    budgets = np.array([[1, 2, 1, 3, 1, 2, 1, 2, 1, 1], [2, 1, 1, 1, 4, 1, 2, 1, 1, 1]])  # per query block
+    per_token = np.repeat(budgets, BS, axis=1)[:, :T]
+    scores, _ = block_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), BS)
+    routed = np.concatenate([seg, np.zeros((2, NB * BS - T), int)], 1)[:, ::BS]
+    want_final, want_over = _numpy_floor(np.asarray(scores, np.float64), routed, budgets, base, p, NB)
+    _, counts, cov = jax.jit(route, static_argnames=("block_size", "floor"))(
+        jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray(per_token), block_size=BS, floor=(base, p))
+    np.testing.assert_array_equal(np.asarray(cov.floor.planned), budgets)
+    np.testing.assert_array_equal(np.asarray(cov.floor.overridden), want_over)
+    np.testing.assert_array_equal(np.asarray(cov.floor.final), want_final)
+    assert want_over.any() and not want_over.all()
+    eligible = np.isfinite(np.asarray(scores)).sum(-1)
+    np.testing.assert_array_equal(np.asarray(counts), np.minimum(want_final[:, None, :], eligible))
+    # raised budgets are never touched, p >= 1 never overrides
+    _, _, high = route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray([8, 8]), BS, floor=(base, p))
+    assert not np.asarray(high.floor.overridden).any()
+    _, _, off = route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray(per_token), BS, floor=(base, 1.0))
+    assert not np.asarray(off.floor.overridden).any()
+    with pytest.raises(ValueError, match="floor=.* must be"):
+        route(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray([1, 1]), BS, floor=(0, 0.1))

@@ -60,10 +60,10 @@ def _reference(cfg, graphdef, params, rest, seqs):
 def _sparse_logits(model, ref):
     """Single-device sparse run with per-sequence budgets: the model's own sparse path, with the
     per-token budgets routed through the same override hook the executor uses."""
-    from jaxsb.models.attention import attention_override, sparse_attend
+    from jaxsb.models.attention import attention_override, sparse_attend, sparse_options
 
     def attn(q, k, v, seg, _):
-        out, _, _ = sparse_attend(q, k, v, seg, ref["budgets"], block_size=model.cfg.sparse.block_size)
+        out, _ = sparse_attend(q, k, v, seg, ref["budgets"], **sparse_options(model.cfg))
         return out, {}
 
     with attention_override(attn):

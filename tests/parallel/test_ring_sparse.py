@@ -31,16 +31,16 @@ def _mesh():
     return Mesh(np.array(jax.devices()[:N]), ("d",))
 
 
-@functools.partial(jax.jit, static_argnames=("groups", "grads", "check_vma"))
-def _run_ring(q, k, v, seg, pos, bud, ct, groups, grads=True, check_vma=False):
+@functools.partial(jax.jit, static_argnames=("groups", "grads", "check_vma", "floor"))
+def _run_ring(q, k, v, seg, pos, bud, ct, groups, grads=True, check_vma=False, floor=None):
     def body(q, k, v, seg, pos, bud, ct):
-        out, blocks, cov = ring_sparse_attention(q, k, v, seg, pos, bud, axis_name="d",
-                                                 groups=groups, block_size=BS)
+        out, stats = ring_sparse_attention(q, k, v, seg, pos, bud, axis_name="d", groups=groups, block_size=BS,
+                                           floor=floor)
         loss = jnp.sum(out.astype(jnp.float32) * ct)
-        return loss[None], (out, blocks[None], cov[None], jnp.sum(seg > 0)[None])
+        return loss[None], (out, {k: v[None] for k, v in stats.items()}, jnp.sum(seg > 0)[None])
 
     f = shard_map(body, mesh=_mesh(), in_specs=(SPEC,) * 7,
-                  out_specs=(P("d"), (SPEC, P("d"), P("d"), P("d"))), check_vma=check_vma)
+                  out_specs=(P("d"), (SPEC, P("d"), P("d"))), check_vma=check_vma)
 
     def loss_fn(q, k, v):
         loss, aux = f(q, k, v, seg, pos, bud, ct)
@@ -52,26 +52,31 @@ def _run_ring(q, k, v, seg, pos, bud, ct, groups, grads=True, check_vma=False):
     return aux, g
 
 
-_route = jax.jit(functools.partial(route, block_size=BS))
+_route = jax.jit(functools.partial(route, block_size=BS), static_argnames=("floor",))
 
 
-def _token_weighted_stats(qr, kr, seg, bud):
-    """The reference's mean selected blocks and coverage, weighted by real tokens per block."""
-    _, counts, coverage = _route(qr, kr, jnp.asarray(seg), jnp.asarray(bud))
+def _token_weighted_stats(qr, kr, seg, bud, floor=None):
+    """The reference's mean selected blocks and coverage, weighted by real tokens per block;
+    with the floor, also its token-weighted final budgets and overridden share."""
+    _, counts, coverage = _route(qr, kr, jnp.asarray(seg), jnp.asarray(bud), floor=floor)
     w = (seg > 0).reshape(B, -1, BS).sum(-1)  # [B, nq]
     blocks = (np.asarray(counts) * w[:, None]).sum() / (K * w.sum())
     cov = (np.asarray(coverage.per_kv_head) * w.sum(-1)[:, None]).sum() / (K * w.sum())
-    return blocks, cov
+    if floor is None:
+        return blocks, cov, None
+    f = coverage.floor
+    return blocks, cov, ((np.asarray(f.final) * w).sum() / w.sum(), (np.asarray(f.overridden) * w).sum() / w.sum())
 
 
 def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense=False,
-             tied_keys=False, check_vma=False):
+             tied_keys=False, check_vma=False, floor=None):
     groups = ring_groups(degrees)
     ring, ref, _ = ring_problem(degrees, seed, budget_choices)
     (qr, kr, vr, ctr), (q, k, v, ct) = ring_values(ring, ref, seed, dtype, tied_keys)
-    (out, blocks, cov, ntok), ring_grads = _run_ring(
+    (out, stats, ntok), ring_grads = _run_ring(
         q, k, v, *(jnp.asarray(ring[f]) for f in ("seg", "pos", "bud")), ct, groups=groups, grads=grads,
-        check_vma=check_vma)
+        check_vma=check_vma, floor=floor)
+    blocks, cov = stats["sparse_blocks"], stats["sparse_coverage"]
     assert out.dtype == dtype
     assert np.isfinite(np.asarray(out, np.float32)).all()  # padding rows too
     real = ring["ref"] >= 0
@@ -79,7 +84,7 @@ def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense
     ridx = ring["ref"][real]
     assert len(set(zip(bidx, ridx))) == (ref["seg"] > 0).sum()  # every real token once
 
-    refs = [ring_reference(qr, kr, vr, jnp.asarray(ref["seg"]), jnp.asarray(ref["bud"]), ctr)]
+    refs = [ring_reference(qr, kr, vr, jnp.asarray(ref["seg"]), jnp.asarray(ref["bud"]), ctr, floor=floor)]
     if dense:
         refs.append(ring_reference(qr, kr, vr, jnp.asarray(ref["seg"]), jnp.asarray(ref["bud"]), ctr, dense=True))
     for ref_out, ref_grads in refs:
@@ -95,10 +100,14 @@ def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense
 
     # statistics: token-weighted over devices == token-weighted over the reference rows
     ntok = np.asarray(ntok, np.float64)
-    ref_blocks, ref_cov = _token_weighted_stats(qr, kr, ref["seg"], ref["bud"])
-    np.testing.assert_allclose((np.asarray(blocks) * ntok).sum() / ntok.sum(), ref_blocks, rtol=1e-6)
-    np.testing.assert_allclose((np.asarray(cov) * ntok).sum() / ntok.sum(), ref_cov,
-                               **tol("router_coverage", "float32"))
+    ref_blocks, ref_cov, ref_floor = _token_weighted_stats(qr, kr, ref["seg"], ref["bud"], floor)
+    weighted = lambda x: (np.asarray(x) * ntok).sum() / ntok.sum()  # noqa: E731
+    np.testing.assert_allclose(weighted(blocks), ref_blocks, rtol=1e-6)
+    np.testing.assert_allclose(weighted(cov), ref_cov, **tol("router_coverage", "float32"))
+    if floor is not None:
+        np.testing.assert_allclose(weighted(stats["floor_final"]), ref_floor[0], rtol=1e-6)
+        np.testing.assert_allclose(weighted(stats["floor_overridden"]), ref_floor[1], rtol=1e-6)
+        return np.asarray(blocks), ref_floor
     return np.asarray(blocks)
 
 
@@ -106,6 +115,14 @@ def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense
 def test_mixed_budgets_f32(degrees):
     """Budgets per document from 1 (diagonal only) to all blocks; outputs, grads, stats."""
     _compare(degrees, seed=sum(degrees) + len(degrees), budget_choices=[1, 2, 3, ALL])
+
+
+@pytest.mark.parametrize("degrees", [(8,), (4, 2, 1, 1)])
+def test_runtime_floor_equals_the_single_row_floor(degrees):
+    """Planned budgets below the base: the floor raises some documents (their curves averaged
+    over every rank of the ring) exactly as route() does on the same documents in one row."""
+    _, (final, overridden) = _compare(degrees, seed=11 + len(degrees), budget_choices=[1, 2], floor=(4, 0.05))
+    assert 0 < overridden < 1, "the case must exercise the floor on some documents and not others"
 
 
 def test_ties_go_to_the_lower_stream_block():
