@@ -238,6 +238,10 @@ class ParallelConfig:
     cp: int = 0  # skrull's context-parallel group size (0 = all devices; dp = devices / cp)
     max_programs: int = 8  # compiled step programs at most; later plans reuse or fall back
     plan_time_limit_s: float = 1.0
+    # Sparse budgets (model.attention=sparse): fixed = every sequence at model.sparse.top_k |
+    # dst = the jaxsb planner chooses them per document each step (DST over its layout, from the
+    # coverage curves the sparse layers measured in earlier steps; needs model.sparse.max_blocks)
+    budgets: str = "fixed"
     background_planning: bool = True  # plan step t+1 while step t runs
     # Several processes (one per host) joined by jax.distributed.initialize: "" = one process |
     # "auto" = the cluster says (TPU pod slice, SLURM, Open MPI) | "host:port" of process 0,
@@ -254,6 +258,9 @@ class ParallelConfig:
         _check(self.max_programs >= 2, f"{prefix}.max_programs",
                f"must be >= 2 (one slot is kept for the fallback plan), got {self.max_programs}")
         _check(self.plan_time_limit_s > 0, f"{prefix}.plan_time_limit_s", "must be > 0")
+        _one_of(self.budgets, ("fixed", "dst"), f"{prefix}.budgets")
+        _check(self.budgets == "fixed" or self.planner == "jaxsb", f"{prefix}.budgets",
+               f"budgets=dst is chosen by the jaxsb planner, got parallel.planner={self.planner!r}")
         self._validate_processes(prefix)
 
     def _validate_processes(self, prefix: str) -> None:
@@ -293,6 +300,13 @@ class Config:
                "its own tokenizer (kind=auto or model)")
         _check(pretrained or self.tokenizer.kind != "model", "tokenizer.kind",
                "kind=model needs a pretrained model.init (smollm2-135m or hf:DIR)")
+        if self.parallel.budgets == "dst":
+            _check(self.model.attention == "sparse", "parallel.budgets",
+                   f"budgets=dst needs model.attention=sparse, got {self.model.attention!r}")
+            _check(self.model.sparse.max_blocks > 0, "model.sparse.max_blocks",
+                   "parallel.budgets=dst needs a static bound on the budgets (e.g. 2 x top_k)")
+            _check(self.model.sparse.coverage_drop < 1, "model.sparse.coverage_drop",
+                   "parallel.budgets=dst needs the runtime floor (coverage_drop < 1): it measures the curves")
         _check(self.parallel.planner == "none" or self.model.attention not in SINGLE_DEVICE_ATTENTION,
                "model.attention", f"{self.model.attention!r} has no sequence-parallel (ring) version; with "
                f"parallel.planner={self.parallel.planner!r} use one of xla, flash, sparse (or parallel.planner=none)")

@@ -66,3 +66,10 @@ def test_measure_coverage_feeds_the_simulator(tmp_path):
                "--planner-option", "sparsebalance.max_blocks=16", "--planner-option", "jaxsb.max_blocks=16",
                "--planner-option", "sparsebalance.base_budget=8", "--planner-option", "jaxsb.base_budget=8")
     assert "jaxsb" in out and "sparsebalance" in out, out
+
+
+def test_bench_budgets_prints_the_three_runs():
+    out = _run("scripts/bench_budgets.py", "--config", "tiny", "--steps", "3", "--set", "model.sparse.block_size=16")
+    for run in ("dense", "sparse", "sparse+dst"):
+        assert f"\n{run} " in out, out
+    assert "executed imbalance" in out, out

@@ -88,13 +88,17 @@ def _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT)
 
 def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
                   segment_ids_BxT: jax.Array, budgets_B: jax.Array, *, block_size: int,
-                  max_blocks: int | None = None, floor: tuple[int, float] | None = None, head_sum=None):
+                  max_blocks: int | None = None, floor: tuple[int, float] | None = None, head_sum=None,
+                  curve_bins: int | None = None):
     """Routed block-sparse attention: each query block attends to its `budgets_B[b]` best key
     blocks (diagonal always), after the runtime floor when `floor` = (k_base, p) is given
     (jaxsb.models.router). Returns (out [B,T,H,D], stats): `sparse_blocks` (mean selected
     blocks per query block), `sparse_coverage` (mean routing mass kept per row) and, with the
     floor, `floor_planned` / `floor_final` (the budgets before / after it) and `floor_overridden`
-    (the share of query blocks it raised), those three weighted by real tokens."""
+    (the share of query blocks it raised), those three weighted by real tokens; with
+    `curve_bins`, `coverage_bin_sums` / `coverage_bin_blocks` (router.length_bin_sums); and
+    `attn_block_pairs`, the (query block, key block) pairs the kernel computes (its tables'
+    counts summed over rows and kv heads)."""
     from jaxsb.models.router import route
     from kernels_pallas import block_sparse_attention
 
@@ -102,11 +106,12 @@ def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Arr
         max_blocks = min(int(max_blocks), -(-q_BxTxHxD.shape[1] // block_size))
     block_indices, block_counts, coverage = route(q_BxTxHxD, k_BxTxKxD, segment_ids_BxT, budgets_B,
                                                   block_size=block_size, max_blocks=max_blocks, floor=floor,
-                                                  head_sum=head_sum)
+                                                  head_sum=head_sum, curve_bins=curve_bins)
     out = block_sparse_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, block_indices, block_counts,
                                  segment_ids_BxT, block_size=block_size)
     stats = {"sparse_blocks": jnp.mean(block_counts.astype(jnp.float32)),
-             "sparse_coverage": jnp.mean(coverage.per_row)}
+             "sparse_coverage": jnp.mean(coverage.per_row),
+             "attn_block_pairs": jnp.sum(block_counts.astype(jnp.float32))}
     if coverage.floor is not None:
         stats.update(floor_stats(coverage.floor))
     return out, stats
@@ -116,15 +121,19 @@ def floor_stats(floor) -> dict:
     """Token-weighted means of the runtime floor's decisions (`router.Floor`)."""
     w = floor.tokens
     total = jnp.maximum(w.sum(), 1.0)
-    return {"floor_planned": (floor.planned * w).sum() / total, "floor_final": (floor.final * w).sum() / total,
-            "floor_overridden": (floor.overridden * w).sum() / total}
+    out = {"floor_planned": (floor.planned * w).sum() / total, "floor_final": (floor.final * w).sum() / total,
+           "floor_overridden": (floor.overridden * w).sum() / total}
+    if floor.bin_sums is not None:
+        out.update(coverage_bin_sums=floor.bin_sums, coverage_bin_blocks=floor.bin_blocks)
+    return out
 
 
 def sparse_options(model_cfg) -> dict:
     """sparse_attend's keyword options from `model.sparse` — the one place that maps them."""
     sp = model_cfg.sparse
     floor = (sp.top_k, sp.coverage_drop) if sp.coverage_drop < 1 else None
-    return dict(block_size=sp.block_size, max_blocks=sp.max_blocks or None, floor=floor)
+    bins = sp.max_blocks if floor is not None and sp.max_blocks else None
+    return dict(block_size=sp.block_size, max_blocks=sp.max_blocks or None, floor=floor, curve_bins=bins)
 
 
 def ring_implementation(model_cfg) -> str:

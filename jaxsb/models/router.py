@@ -63,12 +63,38 @@ from jax import lax
 
 
 class Floor(NamedTuple):
-    """The runtime floor's decisions per (row, query block) [B, nq]."""
+    """The runtime floor's decisions per (row, query block) [B, nq]; with `curve_bins`, also the
+    documents' curves summed per length bin (`length_bin_sums`), for planning later steps."""
 
     planned: jax.Array  # int32: the planned budget (clipped to [1, max_blocks])
     final: jax.Array  # int32: the budget the block runs at
     overridden: jax.Array  # bool: the floor raised it
     tokens: jax.Array  # float32: the block's real (non-padding) tokens
+    bin_sums: jax.Array | None = None  # [LENGTH_BINS, K]: sum of C(1..K) over real query blocks per bin
+    bin_blocks: jax.Array | None = None  # [LENGTH_BINS]: how many real query blocks per bin
+
+
+LENGTH_BINS = 24  # document lengths binned by floor(log2(tokens)), 1 .. 2^24 tokens
+
+
+def length_bin_sums(doc_curves, doc_tokens, real, curve_k: int):
+    """(sums [LENGTH_BINS, curve_k], blocks [LENGTH_BINS]): each real query block adds its
+    document's curve (cut or extended with 1 — all blocks visible — to curve_k) to the bin of
+    the document's length floor(log2(tokens)); a document counts once per query block, so the
+    bin's mean is the query-block-weighted mean of its documents' curves."""
+    M = doc_curves.shape[-1]
+    c = doc_curves[..., :curve_k] if M >= curve_k else jnp.concatenate(
+        [doc_curves, jnp.ones(doc_curves.shape[:-1] + (curve_k - M,), doc_curves.dtype)], axis=-1)
+    bins = jnp.clip(jnp.floor(jnp.log2(jnp.maximum(doc_tokens, 1.0))), 0, LENGTH_BINS - 1).astype(jnp.int32)
+    onehot = ((bins[..., None] == jnp.arange(LENGTH_BINS)) & real[..., None]).astype(jnp.float32)
+    sums = jnp.einsum("bnc,bnk->ck", onehot, c, precision=lax.Precision.HIGHEST)
+    return sums, onehot.sum((0, 1))
+
+
+def document_tokens(doc_q, doc_k, tokens_k):
+    """[B, nq]: the real tokens of each query block's document (over the key-side blocks)."""
+    same = (doc_k[:, None, :] == doc_q[:, :, None]) & (doc_q[:, :, None] > 0)
+    return (same * tokens_k[:, None, :]).sum(-1)
 
 
 class Coverage(NamedTuple):
@@ -208,7 +234,7 @@ def block_scores(q, k, segment_ids, block_size: int):
 
 
 def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | None = None,
-          floor: tuple[int, float] | None = None, head_sum=None):
+          floor: tuple[int, float] | None = None, head_sum=None, curve_bins: int | None = None):
     """Top-k key blocks per query block with a per-sequence k.
 
     q [B,T,H,D], k [B,T,K,D], segment_ids [B,T] int or None, budgets [B] int (key blocks per
@@ -216,7 +242,8 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
     of its first token, i.e. of the document routed for it — per-sequence budgets in packed
     rows whose documents start at block boundaries), block_size and max_blocks static (max_blocks
     defaults to nb = ceil(T / block_size)). `floor` = (k_base, p) (static) runs the runtime
-    floor (module docstring; `head_sum` as in `document_curves`). Returns (block_indices
+    floor (module docstring; `head_sum` as in `document_curves`; `curve_bins` = K also sums
+    the documents' C(1..K) per length bin into `Floor.bin_sums`). Returns (block_indices
     [B,K,nb,max_blocks] int32, block_counts [B,K,nb] int32, Coverage).
     """
     B, T, H, D = q.shape
@@ -258,7 +285,11 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
         routed = routed_documents(segment_ids, B, T, block_size)
         doc = document_curves(block_curves(scores, max_blocks), routed, head_sum)
         final, overridden = apply_floor(doc, planned, floor[0], floor[1], routed)
-        floor_info = Floor(planned, final, overridden, weights)
+        bins = (None, None)
+        if curve_bins:
+            bins = length_bin_sums(doc, document_tokens(routed, routed, weights), (routed > 0) & (weights > 0),
+                                   curve_bins)
+        floor_info = Floor(planned, final, overridden, weights, *bins)
         budget = final[:, None, :]
     counts = jnp.minimum(budget, n_eligible).astype(jnp.int32)
 

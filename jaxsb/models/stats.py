@@ -8,13 +8,21 @@ import jax.numpy as jnp
 from flax import nnx
 
 
+# Statistics that add up over layers, calls, devices and micro-batches (counts and sums); the
+# others are means. attn_block_pairs stays per device in the executor's step (work balance).
+SUMMED_STATS = ("coverage_bin_sums", "coverage_bin_blocks", "attn_block_pairs")
+PER_DEVICE_STATS = ("attn_block_pairs",)
+
+
 def pop_layer_stats(model: nnx.Module) -> dict[str, jax.Array]:
-    """Means over layers of the values the model sowed as nnx.Intermediate (e.g. the sparse
-    router's selected blocks and coverage); empty for dense attention."""
+    """Over layers, the values the model sowed as nnx.Intermediate (e.g. the sparse router's
+    selected blocks and coverage): summed for SUMMED_STATS, else means; empty for dense
+    attention."""
     sown = nnx.to_pure_dict(nnx.pop(model, nnx.Intermediate))
     by_name: dict[str, list] = {}
     for path, value in jax.tree_util.tree_leaves_with_path(sown):
         names = [getattr(k, "key", None) for k in path]
         name = next(n for n in reversed(names) if isinstance(n, str))
         by_name.setdefault(name, []).append(value)
-    return {name: jnp.mean(jnp.stack(values)) for name, values in sorted(by_name.items())}
+    return {name: jnp.sum(jnp.stack(values), 0) if name in SUMMED_STATS else jnp.mean(jnp.stack(values), 0)
+            for name, values in sorted(by_name.items())}

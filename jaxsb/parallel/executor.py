@@ -44,7 +44,7 @@ from jaxsb.config import ModelConfig
 from jaxsb.mesh import AXIS
 from jaxsb.models.attention import attend, attention_override, ring_implementation, sparse_attend, sparse_options
 from jaxsb.models.loss import next_token_loss
-from jaxsb.models.stats import pop_layer_stats
+from jaxsb.models.stats import PER_DEVICE_STATS, SUMMED_STATS, pop_layer_stats
 from jaxsb.plan.layout import FIELDS, SeqData, layout_microbatch
 from jaxsb.plan import MicroBatch, Plan, Template
 from jaxsb.plan.executable import alignment, check_executable
@@ -94,7 +94,7 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             out, layer = ring_sparse_attention(
                 qa, ka, va, sa, pos_BxT[:, :S], budgets_BxT[:, :S], axis_name=AXIS, groups=groups,
                 block_size=opts["block_size"], max_blocks=max_blocks, floor=opts["floor"],
-                implementation=ring_implementation(model_cfg))
+                curve_bins=opts["curve_bins"], implementation=ring_implementation(model_cfg))
             stats.append((layer, jnp.sum(sa > 0)))
         elif mb.scheme == "ring":
             from jaxsb.parallel.ring import ring_attention
@@ -116,12 +116,21 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             out_local = local(q[:, S:], k[:, S:], v[:, S:], seg[:, S:], budgets_BxT[:, S:])
             out = jnp.concatenate([out, out_local], axis=1)
         layer_stats = {}
-        if stats:  # token-weighted means over the calls of this layer
+        if stats:  # token-weighted means over the calls of this layer; counts and sums add up
             w = jnp.maximum(sum(n for _, n in stats), 1)
-            layer_stats = {key: sum(layer[key] * n for layer, n in stats) / w for key in stats[0][0]}
+            layer_stats = {key: sum(layer[key] for layer, _ in stats) if key in SUMMED_STATS
+                           else sum(layer[key] * n for layer, n in stats) / w for key in stats[0][0]}
         return out, layer_stats
 
     return fn
+
+
+def reduce_device_stat(name: str, per_device):
+    """A sown statistic over the devices [N, ...]: per device for PER_DEVICE_STATS, summed for
+    the other SUMMED_STATS, else the mean."""
+    if name in PER_DEVICE_STATS:
+        return per_device
+    return per_device.sum(0) if name in SUMMED_STATS else per_device.mean(0)
 
 
 def microbatch_loss_fn(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, mb: MicroBatch) -> Callable:
@@ -147,7 +156,7 @@ def microbatch_loss_fn(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, mb: M
     def loss(params, arrays):
         loss_N, count_N, stats_N = sharded(params, *(arrays[f] for f in (
             "tokens", "targets", "loss_mask", "segment_ids", "positions", "budgets")))
-        return loss_N.sum(), (count_N.sum(), {k: v.mean() for k, v in stats_N.items()})
+        return loss_N.sum(), (count_N.sum(), {k: reduce_device_stat(k, v) for k, v in stats_N.items()})
 
     return loss
 
@@ -169,7 +178,8 @@ def plan_value_and_grad(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, temp
                 stats_acc.setdefault(k, []).append(v)
         scale = 1.0 / jnp.maximum(num_targets, 1.0)
         grads = jax.tree.map(lambda x: x * scale.astype(x.dtype), grads)
-        stats = {k: jnp.mean(jnp.stack(v)) for k, v in stats_acc.items()}
+        stats = {k: jnp.sum(jnp.stack(v), 0) if k in SUMMED_STATS else jnp.mean(jnp.stack(v), 0)
+                 for k, v in stats_acc.items()}
         return total * scale, grads, stats
 
     return run

@@ -124,7 +124,7 @@ def _pool(q, k, seg, bs: int):
     return qbar, kbar, doc, weights
 
 
-def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None):
+def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None, curve_bins=None):
     """(sorted owners, sorted local indices [B,K,nb,M], stats).
 
     Slots hold the selected blocks of each (row, kv head, query block) grouped by owning rank
@@ -164,19 +164,25 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None):
     budget = jnp.clip(jnp.asarray(budgets, jnp.int32)[:, ::bs][:, None, :], 1, M)
     floor_info = None
     if floor is not None:
-        from jaxsb.models.router import Floor, apply_floor, block_curves, document_mean
+        from jaxsb.models.router import (Floor, apply_floor, block_curves, document_mean, document_tokens,
+                                         length_bin_sums)
 
         c_local = block_curves(scores, M).sum(1)  # [B, nb, M] summed over kv heads
 
-        def gather_curves(active, _local, ride, _acc, cg):
-            c_r, g_r = ride
-            return None, cg.at[:, jnp.where(active, g_r, nbg)].set(c_r, mode="drop")
+        def gather_curves(active, _local, ride, _acc, carry):
+            c_r, w_r, g_r = ride
+            idx = jnp.where(active, g_r, nbg)
+            return None, (carry[0].at[:, idx].set(c_r, mode="drop"), carry[1].at[:, idx].set(w_r, mode="drop"))
 
-        _, cg = ring_loop(cfg, gather_curves, (c_local, gq), None, vma_full(c_local, (B, nbg, M)))
+        _, (cg, wg) = ring_loop(cfg, gather_curves, (c_local, weights, gq), None,
+                                (vma_full(c_local, (B, nbg, M)), vma_full(weights, (B, nbg))))
         doc_curve = document_mean(cg, doc, dg, c_local, jnp.float32(K))
         planned = jnp.broadcast_to(budget[:, 0, :], (B, T // bs))
         final, overridden = apply_floor(doc_curve, planned, floor[0], floor[1], doc)
-        floor_info = Floor(planned, final, overridden, weights)
+        bins = (None, None)
+        if curve_bins:
+            bins = length_bin_sums(doc_curve, document_tokens(doc, dg, wg), (doc > 0) & (weights > 0), curve_bins)
+        floor_info = Floor(planned, final, overridden, weights, *bins)
         budget = final[:, None, :]
     counts = jnp.broadcast_to(jnp.minimum(budget, eligible.sum(-1)), (B, K, T // bs))
     slot_ok = jnp.arange(M) < counts[..., None]
@@ -187,7 +193,8 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None):
     total = K * weights.sum()
     denom = jnp.maximum(total, 1.0)
     stats = {"sparse_blocks": jnp.where(total > 0, (counts * w).sum() / denom, 0.0),
-             "sparse_coverage": jnp.where(total > 0, (kept * w).sum() / denom, 0.0)}
+             "sparse_coverage": jnp.where(total > 0, (kept * w).sum() / denom, 0.0),
+             "attn_block_pairs": jnp.sum(counts.astype(jnp.float32))}
     if floor_info is not None:
         from jaxsb.models.attention import floor_stats
 
@@ -466,6 +473,7 @@ def ring_sparse_attention(
     implementation: str = "auto",
     interpret: bool | None = None,
     floor: tuple[int, float] | None = None,
+    curve_bins: int | None = None,
 ):
     """Routed block-sparse causal document attention over ring groups (inside shard_map).
 
@@ -488,7 +496,7 @@ def ring_sparse_attention(
                              axis_name, groups, block_size, max_blocks, implementation, interpret)
     seg = seg_BxT.astype(jnp.int32)
     pos = pos_BxT.astype(jnp.int32)
-    s_owner, s_local, stats = _route(q_BxTxHxD, k_BxTxKxD, seg, budgets_BxT, cfg, max_blocks, floor)
+    s_owner, s_local, stats = _route(q_BxTxHxD, k_BxTxKxD, seg, budgets_BxT, cfg, max_blocks, floor, curve_bins)
     out = _sparse_ring(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, seg, pos, s_owner, s_local, cfg)
     return out, stats
 

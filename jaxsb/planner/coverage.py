@@ -131,3 +131,43 @@ class MeasuredCoverage:
             c = self.curves[self.bins[b][int(rng.integers(len(self.bins[b])))]]
             out.append(np.concatenate([c, np.full(max(0, max_k - len(c)), c[-1])])[:max_k])
         return out
+
+
+class CoverageHistory:
+    """What training plans budgets from: per document-length bin (floor(log2 tokens), the
+    router's LENGTH_BINS), a moving average (momentum 0.5) of the documents' coverage curves
+    that the sparse layers measured in past steps (`update` with the step's
+    coverage_bin_sums / coverage_bin_blocks). `curves_for(lengths)`: each sequence takes its
+    bin's curve; a bin not measured yet gets the curve that allows no change (C = 0 below the
+    base budget, 1 from it): budget = base until measured. Thread-safe (the trainer updates it
+    while the next step is planned in the background)."""
+
+    def __init__(self, base: int, max_k: int, momentum: float = 0.5):
+        import threading
+
+        self.base, self.max_k, self.momentum = int(base), int(max_k), float(momentum)
+        self.curves: dict[int, np.ndarray] = {}
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def bin(length: int) -> int:
+        return int(math.floor(math.log2(max(1, int(length)))))
+
+    def update(self, bin_sums, bin_blocks) -> None:
+        sums, blocks = np.asarray(bin_sums, np.float64), np.asarray(bin_blocks, np.float64)
+        with self._lock:
+            for b in np.nonzero(blocks > 0)[0]:
+                c = np.maximum.accumulate(np.clip(sums[b] / blocks[b], 0.0, 1.0))[: self.max_k]
+                old = self.curves.get(int(b))
+                self.curves[int(b)] = c if old is None else self.momentum * old + (1 - self.momentum) * c
+
+    def unmeasured(self) -> np.ndarray:
+        return (np.arange(1, self.max_k + 1) >= self.base).astype(np.float64)
+
+    def curves_for(self, lengths: Sequence[int]) -> list[np.ndarray]:
+        with self._lock:
+            return [self.curves.get(self.bin(n), self.unmeasured()).copy() for n in lengths]
+
+    def measured(self, lengths: Sequence[int]) -> list[bool]:
+        with self._lock:
+            return [self.bin(n) in self.curves for n in lengths]

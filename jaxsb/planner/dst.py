@@ -139,6 +139,8 @@ def raise_path(cost, lengths, cell: Cell, curves, start: Sequence[int], stop: Se
         nb = -(-lengths[i] // block)
         if k < min(stop[i], nb):
             gain = nb * (coverage_at(curves[i], k + 1) - coverage_at(curves[i], k))
+            if gain <= 0:  # sorted masses: a step that gains nothing is followed by no gain
+                return
             ms = _step_ms(cost, lengths, cell, i, k)
             heapq.heappush(heap, (-(gain / ms) if ms > 0 else -np.inf, i, k + 1))
 

@@ -57,6 +57,7 @@ class PlannedStep:
     solve_s: float
     info: SolveInfo
     data_state: dict | None = None  # the iterator's state right after this step was drawn
+    budget_record: dict = dataclasses.field(default_factory=dict)  # parallel.budgets=dst: see budget_record
 
 
 SHIPPED_PRESETS = {  # calibrated on this project's CPU machine by `python -m jaxsb.calibrate`
@@ -78,6 +79,13 @@ def load_cost_model(preset: str, num_devices: int, max_len: int):
     return load_preset(preset, num_devices=num_devices, max_len=max_len)
 
 
+def priced_in_blocks(cost, block: int):
+    """The cost model with sparse budgets counted in the model's routing blocks (`block` of the
+    group view, `sparse_block` of a calibrated model's work counts)."""
+    changes = {f: int(block) for f in ("block", "sparse_block") if hasattr(cost, f)}
+    return dataclasses.replace(cost, **changes) if changes and dataclasses.is_dataclass(cost) else cost
+
+
 class StepPlanner:
     """The configured planner applied to each step's sequences."""
 
@@ -88,21 +96,36 @@ class StepPlanner:
         self.runnable = Runnable.for_model(model_cfg)
         self.align = self.runnable.align
         self.cost = load_cost_model(cfg.parallel.preset, num_devices, cfg.data.max_len)
+        if model_cfg.attention == "sparse":
+            self.cost = priced_in_blocks(self.cost, model_cfg.sparse.block_size)
         p = cfg.parallel
         self.scheme = p.scheme
         options = planner_options(p.planner, num_devices, time_limit_s=p.plan_time_limit_s, scheme=p.scheme,
                                   degree=p.sp_degree or num_devices, cp=p.cp or num_devices,
                                   runnable=self.runnable)
+        self.history = None
+        sp = model_cfg.sparse
+        if p.budgets == "dst":  # budgets chosen per document from the measured curves
+            from jaxsb.planner.coverage import CoverageHistory
+
+            options |= dict(budgets="dst", base_budget=sp.top_k, max_blocks=sp.max_blocks,
+                            coverage_drop=sp.coverage_drop)
+            self.history = CoverageHistory(sp.top_k, sp.max_blocks)
         self.planner = make_planner(p.planner, self.cost, num_devices, **options)
 
     def plan(self, step: StepPieces) -> PlannedStep:
         seqs = step_sequences(step)
         lengths = [len(s) for s in seqs]
         budgets = [self.model_cfg.sparse.top_k] * len(seqs)
+        coverage = None if self.history is None else self.history.curves_for(lengths)
         t0 = time.perf_counter()
-        solution = self.planner.solve(lengths, budgets)
+        solution = self.planner.solve(lengths, None if coverage else budgets, coverage=coverage)
         solve_s = time.perf_counter() - t0
-        return PlannedStep(step, seqs, solution.plan, solve_s, solution.info)
+        record = {}
+        if coverage is not None:
+            record = budget_record(solution.plan, self.cost, coverage, self.model_cfg.sparse.top_k,
+                                   self.history.measured(lengths))
+        return PlannedStep(step, seqs, solution.plan, solve_s, solution.info, budget_record=record)
 
     def fallback(self, plan: Plan) -> Plan:
         """Every sequence sharded over one ring of all devices, one micro-batch: any lengths fit
@@ -163,6 +186,40 @@ class ProgramBudget:
         if widened is not None:
             return Admission(widened, "fallback")
         return Admission(fb, "fallback-new" if len(self.templates) < self.max_programs else "over-bound")
+
+
+def predicted_imbalance(plan: Plan, cost, budgets) -> float:
+    """max / mean over devices of the modelled busy time with these per-sequence budgets."""
+    loads = np.zeros(plan.template.num_devices)
+    for m, mb in enumerate(plan.template.microbatches):
+        for g, group in enumerate(mb.groups):
+            sharded, local = plan.sequences_of(m, g)
+            if not sharded and not local:
+                continue
+            ks = [budgets[i] for i in sharded] + [budgets[i] for r in range(group.degree) for i in local.get(r, [])]
+            scheme = "ulysses" if group.degree == 1 else group.scheme
+            loads[group.start:group.start + group.degree] += cost.group_time_ms(
+                group.degree, [plan.lengths[i] for i in sharded],
+                [[plan.lengths[i] for i in local.get(r, [])] for r in range(group.degree)], scheme=scheme, budgets=ks)
+    mean = loads.mean()
+    return float(loads.max() / mean) if mean > 0 else 1.0
+
+
+def budget_record(plan: Plan, cost, curves, base: int, measured: Sequence[bool]) -> dict:
+    """metrics.jsonl fields of a DST plan: budgets min/mean/max, the coverage its budgets keep
+    by the planning curves of the sequences whose length bin was measured (mean/min,
+    predicted; None before any), how many were not, and the modelled device imbalance at the
+    base budget and after DST."""
+    from jaxsb.planner.coverage import coverage_at
+
+    ks = list(plan.budgets)
+    cov = [coverage_at(c, k) for c, k, seen in zip(curves, ks, measured) if seen]
+    return {"budget_min": int(min(ks)), "budget_mean": float(np.mean(ks)), "budget_max": int(max(ks)),
+            "planned_coverage_mean": float(np.mean(cov)) if cov else None,
+            "planned_coverage_min": float(np.min(cov)) if cov else None,
+            "budgets_unmeasured": int(len(ks) - sum(measured)),
+            "predicted_imbalance_base": predicted_imbalance(plan, cost, [base] * len(ks)),
+            "predicted_imbalance_dst": predicted_imbalance(plan, cost, ks)}
 
 
 def load_balance(plan: Plan, cost) -> tuple[float, float]:

@@ -175,6 +175,7 @@ class PlannedSteps:
             "load_imbalance": load_max / load_mean if load_mean > 0 else 1.0,
             "plan_solve_s": planned.solve_s, "plan_wait_s": wait_s,
             "plan_fell_back": planned.info.fell_back,
+            **planned.budget_record,
         }
         return PreparedStep(planned.step.doc_lengths, compiled, (arrays, num_targets), is_new,
                             self.compiler.compile_seconds - c0, planned.data_state, record)

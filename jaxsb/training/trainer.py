@@ -15,6 +15,7 @@ import time
 from typing import Callable
 
 import jax
+import numpy as np
 
 from jaxsb import mesh as mesh_lib
 from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
@@ -135,6 +136,14 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
             for key in ("floor_planned", "floor_final", "floor_overridden"):
                 if key in metrics:
                     record[f"sparse_{key}"] = float(metrics[key])
+            if "attn_block_pairs" in metrics:  # counted from the kernels' tables, per device
+                pairs = np.asarray(metrics["attn_block_pairs"], np.float64).reshape(-1)
+                record["executed_pairs_max"] = float(pairs.max())
+                record["executed_pairs_mean"] = float(pairs.mean())
+                record["executed_imbalance"] = float(pairs.max() / pairs.mean()) if pairs.mean() > 0 else 1.0
+            history = getattr(getattr(steps, "planner", None), "history", None)
+            if history is not None and "coverage_bin_sums" in metrics:  # later steps plan from these curves
+                history.update(metrics["coverage_bin_sums"], metrics["coverage_bin_blocks"])
         writer.write(record)
         progress.update(p["step"], record["loss"], record["tokens_per_s"])
         tokens_total += tokens

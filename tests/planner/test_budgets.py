@@ -412,3 +412,42 @@ def test_simulator_flexsp_benchmark_with_budgets(capsys):
                    "--planner", "jaxsb-dst=jaxsb", "--planner-option", "jaxsb-dst.budgets=dst", "--coverage", "synthetic"])
     text = capsys.readouterr().out
     assert rc == 0 and "jaxsb-dst" in text and "jaxsb-base" in text
+
+
+def test_coverage_history_bins_and_unmeasured_lengths():
+    from jaxsb.planner.coverage import CoverageHistory
+
+    h = CoverageHistory(base=3, max_k=4)
+    sums = np.zeros((24, 4))
+    blocks = np.zeros(24)
+    sums[10] = [2 * 0.5, 2 * 0.8, 2 * 0.9, 2 * 1.0]  # two blocks of 1024..2047-token documents
+    blocks[10] = 2
+    h.update(sums, blocks)
+    got = h.curves_for([1500, 100])
+    np.testing.assert_allclose(got[0], [0.5, 0.8, 0.9, 1.0])
+    np.testing.assert_allclose(got[1], [0, 0, 1, 1])  # unmeasured: no cut below the base
+    assert k_min(got[1], 3, 0.5) == 3 and h.measured([1500, 100]) == [True, False]
+    sums[10] = [2 * 0.3, 2 * 0.6, 2 * 0.9, 2 * 1.0]
+    h.update(sums, blocks)
+    np.testing.assert_allclose(h.curves_for([2000])[0], [0.4, 0.7, 0.9, 1.0])  # momentum 0.5
+
+
+def test_length_bin_sums_against_numpy():
+    import jax.numpy as jnp
+
+    from jaxsb.models.router import LENGTH_BINS, length_bin_sums
+
+    rng = np.random.default_rng(0)
+    curves = np.sort(rng.random((2, 5, 3)), axis=-1)
+    tokens = np.array([[5, 5, 300, 300, 0], [1000, 1000, 1000, 7, 7]], np.float32)
+    real = tokens > 0
+    sums, blocks = length_bin_sums(jnp.asarray(curves), jnp.asarray(tokens), jnp.asarray(real), 4)
+    want = np.zeros((LENGTH_BINS, 4))
+    want_blocks = np.zeros(LENGTH_BINS)
+    for b, n in np.ndindex(2, 5):
+        if real[b, n]:
+            i = int(np.floor(np.log2(tokens[b, n])))
+            want[i] += np.concatenate([curves[b, n], [1.0]])
+            want_blocks[i] += 1
+    np.testing.assert_allclose(np.asarray(sums), want, rtol=1e-6)
+    np.testing.assert_array_equal(np.asarray(blocks), want_blocks)
