@@ -384,6 +384,14 @@ class CalibratedCost(FormulaCost):
 
         return float(np.dot(self.work(plan), [self.coef[f] for f in FEATURES]))
 
+    def combine_ms(self, times) -> float:
+        """The step from per-group times (the budget pass's view): with `serial_devices` every
+        group's work adds up (no device idles while another works), else the slowest group of
+        each micro-batch."""
+        if self.serial_devices:
+            return float(sum(sum(row) for row in times))
+        return float(sum(max(row, default=0.0) for row in times))
+
     # ------------------------------------------------------------------------- files
     def save(self, path: str) -> None:
         d = dataclasses.asdict(self)
