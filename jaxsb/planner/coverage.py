@@ -81,6 +81,11 @@ def check_curve(curve, what: str) -> np.ndarray:
     return np.clip(c, 0.0, 1.0)
 
 
+def length_bin(length: int) -> int:
+    """floor(log2(tokens)): the length bins of measured curves (the router's LENGTH_BINS)."""
+    return int(math.floor(math.log2(max(1, int(length)))))
+
+
 class MeasuredCoverage:
     """Measured curves by length (module docstring)."""
 
@@ -92,11 +97,7 @@ class MeasuredCoverage:
         self.curves = list(curves)
         self.bins: dict[int, list[int]] = {}
         for i, n in enumerate(self.lengths):
-            self.bins.setdefault(self.bin(n), []).append(i)
-
-    @staticmethod
-    def bin(length: int) -> int:
-        return int(math.floor(math.log2(max(1, int(length)))))
+            self.bins.setdefault(length_bin(n), []).append(i)
 
     @classmethod
     def load(cls, path: str) -> "MeasuredCoverage":
@@ -105,6 +106,8 @@ class MeasuredCoverage:
                 data = json.load(f)
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read coverage file {path}: {e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: expected a JSON object with block_size, max_k, documents")
         for field in ("block_size", "documents"):
             if field not in data:
                 raise ValueError(f"{path}: missing field {field!r} (expected block_size, max_k, documents)")
@@ -125,7 +128,7 @@ class MeasuredCoverage:
         keys = np.array(sorted(self.bins))
         out = []
         for n in lengths:
-            b = self.bin(n)
+            b = length_bin(n)
             if b not in self.bins:
                 b = int(keys[np.argmin(np.abs(keys - b))])
             c = self.curves[self.bins[b][int(rng.integers(len(self.bins[b])))]]
@@ -149,10 +152,6 @@ class CoverageHistory:
         self.curves: dict[int, np.ndarray] = {}
         self._lock = threading.Lock()
 
-    @staticmethod
-    def bin(length: int) -> int:
-        return int(math.floor(math.log2(max(1, int(length)))))
-
     def update(self, bin_sums, bin_blocks) -> None:
         sums, blocks = np.asarray(bin_sums, np.float64), np.asarray(bin_blocks, np.float64)
         with self._lock:
@@ -166,8 +165,8 @@ class CoverageHistory:
 
     def curves_for(self, lengths: Sequence[int]) -> list[np.ndarray]:
         with self._lock:
-            return [self.curves.get(self.bin(n), self.unmeasured()).copy() for n in lengths]
+            return [self.curves.get(length_bin(n), self.unmeasured()).copy() for n in lengths]
 
     def measured(self, lengths: Sequence[int]) -> list[bool]:
         with self._lock:
-            return [self.bin(n) in self.curves for n in lengths]
+            return [length_bin(n) in self.curves for n in lengths]

@@ -241,6 +241,14 @@ def _balance(w: Sequence[float], lengths: Sequence[int], cells: int, cap: int, m
     longest-processing-time first, then moves and swaps out of the heaviest group."""
     groups: list[list[int]] = [[] for _ in range(cells)]
     load, tokens = [0.0] * cells, [0] * cells
+
+    def move(i, src, dst):
+        groups[src].remove(i)
+        groups[dst].append(i)
+        load[src] -= w[i]
+        load[dst] += w[i]
+        tokens[src] -= lengths[i]
+        tokens[dst] += lengths[i]
     for i in sorted(range(len(w)), key=lambda i: (-w[i], i)):
         fits = [g for g in range(cells) if tokens[g] + lengths[i] <= cap] or list(range(cells))
         g = min(fits, key=lambda g: (load[g], g))
@@ -269,17 +277,7 @@ def _balance(w: Sequence[float], lengths: Sequence[int], cells: int, cap: int, m
         if best is None:
             break
         _, i, g, j = best
-        groups[h].remove(i)
-        groups[g].append(i)
-        load[h] -= w[i]
-        load[g] += w[i]
-        tokens[h] -= lengths[i]
-        tokens[g] += lengths[i]
+        move(i, h, g)
         if j is not None:
-            groups[g].remove(j)
-            groups[h].append(j)
-            load[g] -= w[j]
-            load[h] += w[j]
-            tokens[g] -= lengths[j]
-            tokens[h] += lengths[j]
+            move(j, g, h)
     return groups

@@ -74,6 +74,12 @@ def test_measured_coverage_file_and_its_errors(tmp_path):
     bad.write_text(json.dumps(dict(documents=[])))
     with pytest.raises(ValueError, match="missing field 'block_size'"):
         MeasuredCoverage.load(str(bad))
+    bad.write_text("[1, 2]")
+    with pytest.raises(ValueError, match="expected a JSON object"):
+        MeasuredCoverage.load(str(bad))
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read coverage file"):
+        MeasuredCoverage.load(str(bad))
 
 
 # ------------------------------------------------------------------ the pipeline cost model
