@@ -160,9 +160,17 @@ class PipelineCost:
         return max(sum(t[r] for t in times) + (self.pp - 1) * max(t[r] for t in times) for r in range(ranks))
 
     def group_times_ms(self, plan) -> list[list[float]]:
-        from jaxsb.planner.cost import group_times_ms
-
-        return group_times_ms(self, plan)
+        """times[m][r]: rank r's stage time for its m-th micro-batch."""
+        out = []
+        for m, mb in enumerate(plan.template.microbatches):
+            row = []
+            for g, group in enumerate(mb.groups):
+                sharded, local = plan.sequences_of(m, g)
+                ids = list(sharded) + [i for r in sorted(local) for i in local[r]]
+                ks = None if plan.budgets is None else [plan.budgets[i] for i in ids]
+                row.append(self.group_time_ms(group.degree, [plan.lengths[i] for i in ids], budgets=ks))
+            out.append(row)
+        return out
 
     def plan_time_ms(self, plan) -> float:
         return self.combine_ms(self.group_times_ms(plan))
