@@ -211,6 +211,24 @@ def model_config_for(cfg):
     return mc
 
 
+def usable_degrees(model_cfg, scheme: str, degrees: Sequence[int], num_devices: int) -> list[int]:
+    """The degrees a one-group calibration plan can use: dividing the devices and, for sparse
+    attention under ulysses, the kv heads. (A group beside idle devices runs as a ring in the
+    executor, any degree, block-sparse included: the config's scheme, ring by default.)"""
+    usable = [d for d in degrees if 1 <= d <= num_devices and num_devices % d == 0]
+    if model_cfg.attention == "sparse" and scheme == "ulysses":
+        usable = [d for d in usable if d == 1 or model_cfg.kv_heads % d == 0]
+    return usable
+
+
+def calibration_grid(model_cfg, scheme: str, num_devices: int, degrees, lengths, holdout, budgets):
+    """(usable degrees, shapes) of a calibration; ValueError when no degree is usable."""
+    usable = usable_degrees(model_cfg, scheme, degrees, num_devices)
+    if not usable:
+        raise ValueError(f"no executable degree among {list(degrees)}")
+    return usable, make_grid(usable, lengths, holdout, budgets if model_cfg.attention == "sparse" else ())
+
+
 def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] = LENGTHS,
               holdout: Sequence[int] = HOLDOUT, budgets: Sequence[int] = BUDGETS, repeats: int = REPEATS,
               command: str = "", log: Callable[[str], None] = print):
@@ -221,18 +239,13 @@ def calibrate(cfg, *, degrees: Sequence[int] = DEGREES, lengths: Sequence[int] =
 
     mc = model_config_for(cfg)
     sparse = mc.attention == "sparse"
-    scheme = "ulysses" if sparse else cfg.parallel.scheme  # sparse timed under ulysses (block-aligned by construction)
+    scheme = cfg.parallel.scheme
     timer = StepTimer(mc, scheme)
     n = timer.num_devices
-    usable = [d for d in degrees if 1 <= d <= n and n % d == 0]
-    if sparse:
-        usable = [d for d in usable if d == 1 or mc.kv_heads % d == 0]
+    usable, shapes = calibration_grid(mc, scheme, n, degrees, lengths, holdout, budgets)
     if set(usable) != set(degrees):
         log(f"degrees {sorted(set(degrees) - set(usable))} skipped: not executable with {n} devices, "
             f"scheme {scheme}{f', kv_heads={mc.kv_heads}' if sparse else ''}")
-    if not usable:
-        raise ValueError(f"no executable degree among {list(degrees)}")
-    shapes = make_grid(usable, lengths, holdout, budgets if sparse else ())
     log(f"calibrating {len(shapes)} shapes ({sum(not s.held_out for s in shapes)} fit, "
         f"{sum(s.held_out for s in shapes)} held out), degrees {usable}, scheme {scheme}, "
         f"attention {mc.attention}, {timer.num_params:,} parameters, {n} devices, {repeats} repeats")

@@ -150,3 +150,23 @@ def test_cli_rejects_bad_arguments():
         main(["--config", "tiny", "--degrees", "one"])
     with pytest.raises(SystemExit):
         main(["--config", "tiny", "--repeats", "0"])
+
+
+@pytest.mark.parametrize("attention", ["xla", "sparse"])
+def test_every_calibration_plan_is_executable(attention):
+    """The grid's one-group plans (the other devices idle) are ones the executor runs, for the
+    default scheme and both attention kinds (a sparse grid once forced ulysses groups beside
+    idle devices, which the executor refuses)."""
+    from jaxsb.plan import Runnable
+    from jaxsb.training.calibration import StepTimer, calibration_grid, model_config_for, usable_degrees
+
+    cfg = load_config("default", [f"model.attention={attention}"])
+    mc = model_config_for(cfg)
+    timer = StepTimer(mc, cfg.parallel.scheme)  # what calibrate() builds its plans with
+    degrees, shapes = calibration_grid(mc, timer.scheme, timer.num_devices, (1, 2, 4, 8), (128, 256, 512), (384,),
+                                       (2, 4))
+    assert degrees == [1, 2, 4, 8] and any(s.budgets for s in shapes) == (attention == "sparse")
+    for shape in shapes:
+        plan = timer.plan(shape)
+        assert Runnable.for_model(mc).problem(plan.template) is None, (shape, plan.summary())
+    assert usable_degrees(mc, "ulysses", (1, 2, 4, 8), 8) == ([1, 2] if attention == "sparse" else [1, 2, 4, 8])
