@@ -42,6 +42,7 @@ from typing import Sequence
 
 import numpy as np
 
+from jaxsb.planner.cost import group_times_ms
 from jaxsb.planner.coverage import coverage_at, coverage_drop, k_min
 
 ANCHORS = ("min", "mean", "max")
@@ -238,7 +239,7 @@ def tune(cost, plan, curves, *, base: int, p: float = 0.1, anchor: str = "mean",
                 others.append((j, T))
     if raise_to != "none":
         stop = [max_blocks] * len(lengths)
-        times = _times_matrix(cost, plan, cells, budgets)
+        times = group_times_ms(cost, plan.with_budgets(budgets))
         for j, T in sorted(others, key=lambda jt: base_times[jt[0]]):  # the most idle first
             c = cells[j]
             before = list(budgets)
@@ -262,13 +263,6 @@ def _floor_start(budgets, cell: Cell, floor) -> list[int]:
     for i in cell.sequences:
         out[i] = floor[i]
     return out
-
-
-def _times_matrix(cost, plan, cells, budgets) -> list[list[float]]:
-    times = [[0.0] * len(mb.groups) for mb in plan.template.microbatches]
-    for c in cells:
-        times[c.microbatch][c.group] = predict(cost, plan.lengths, c, budgets)
-    return times
 
 
 def _free_raise(cost, plan, cells, j, curves, budgets, stop, T, times, per_document) -> list[int]:

@@ -190,17 +190,13 @@ class ProgramBudget:
 
 def predicted_imbalance(plan: Plan, cost, budgets) -> float:
     """max / mean over devices of the modelled busy time with these per-sequence budgets."""
+    from jaxsb.planner.cost import group_times_ms
+
     loads = np.zeros(plan.template.num_devices)
+    times = group_times_ms(cost, plan.with_budgets(budgets))
     for m, mb in enumerate(plan.template.microbatches):
         for g, group in enumerate(mb.groups):
-            sharded, local = plan.sequences_of(m, g)
-            if not sharded and not local:
-                continue
-            ks = [budgets[i] for i in sharded] + [budgets[i] for r in range(group.degree) for i in local.get(r, [])]
-            scheme = "ulysses" if group.degree == 1 else group.scheme
-            loads[group.start:group.start + group.degree] += cost.group_time_ms(
-                group.degree, [plan.lengths[i] for i in sharded],
-                [[plan.lengths[i] for i in local.get(r, [])] for r in range(group.degree)], scheme=scheme, budgets=ks)
+            loads[group.start:group.start + group.degree] += times[m][g]
     mean = loads.mean()
     return float(loads.max() / mean) if mean > 0 else 1.0
 
