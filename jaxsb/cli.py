@@ -40,7 +40,8 @@ def init_devices(parallel=None) -> None:
 
 def load_model(args: argparse.Namespace):
     """For the CLIs that read a model (eval, export): `--workdir` names a trained run (its last
-    checkpoint), else the config's `model.init`. Returns (model, tokenizer, config); exits with
+    checkpoint, its saved config with the `--set` overrides on top), else the config's
+    `model.init`. Returns (model, tokenizer, config); exits with
     status 2 and the message when the run or checkpoint cannot be read."""
     workdir = args.workdir
     args.workdir = None  # here --workdir names the run to read, not an output directory
@@ -51,7 +52,7 @@ def load_model(args: argparse.Namespace):
     from jaxsb.training.evaluation import load_for_eval
 
     try:
-        return load_for_eval(cfg, workdir)
+        return load_for_eval(cfg, workdir, args.overrides)
     except (ConfigError, HFCheckpointError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None

@@ -36,6 +36,9 @@ def _one_of(value: str, allowed: tuple[str, ...], field: str) -> None:
     _check(value in allowed, field, f"got {value!r}, allowed: {', '.join(allowed)}")
 
 
+SPARSE_POLICIES = ("fixed", "floor")
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseConfig:
     """Dynamic block-sparse attention (model.attention=sparse): each query block attends to
@@ -45,12 +48,22 @@ class SparseConfig:
     `max_blocks` the static bound on any budget (0: the row's blocks), so budgets change
     without recompiling; `coverage_drop` is p of the runtime floor (jaxsb.models.router): a
     document whose budget would keep more than p less routing mass than at `top_k` runs at
-    the smallest budget within p instead (1 or more switches the floor off)."""
+    the smallest budget within p instead (1 or more switches the floor off).
+
+    `policy` is where budgets start: `fixed` at the planned or base budget (`top_k`); `floor`
+    at 1 for every document, so the runtime floor alone raises each to k_min(p) against `top_k`
+    (the least attention any budget cut within p can reach; an evaluation setting)."""
 
     block_size: int = 128
     top_k: int = 8  # base budget per sequence, in key blocks
     max_blocks: int = 0  # static bound on budgets; 0 = the row's blocks
     coverage_drop: float = 0.1  # p of the runtime floor; >= 1: no floor
+    policy: str = "fixed"  # fixed | floor: the budget every document starts from (1 with floor)
+
+    @property
+    def start_budget(self) -> int:
+        """The budget a document starts from unless a planner chooses one: top_k, or 1 (floor)."""
+        return 1 if self.policy == "floor" else self.top_k
 
     def validate(self, prefix: str = "model.sparse") -> None:
         _check(self.block_size >= 1, f"{prefix}.block_size", f"must be >= 1, got {self.block_size}")
@@ -59,6 +72,10 @@ class SparseConfig:
                f"must be 0 (no bound) or >= top_k={self.top_k}, got {self.max_blocks}")
         _check(0 <= self.coverage_drop, f"{prefix}.coverage_drop",
                f"must be >= 0 (a coverage share; >= 1 switches the floor off), got {self.coverage_drop}")
+        _one_of(self.policy, SPARSE_POLICIES, f"{prefix}.policy")
+        _check(self.policy != "floor" or self.coverage_drop < 1, f"{prefix}.policy",
+               f"floor starts every document at budget 1 and needs the runtime floor to raise it: "
+               f"set {prefix}.coverage_drop < 1 (got {self.coverage_drop})")
 
 
 ROPE_SCALINGS = ("default", "linear", "llama3", "yarn")
@@ -156,11 +173,34 @@ class TokenizerConfig:
         _check(self.train_bytes > 0, f"{prefix}.train_bytes", "must be > 0")
 
 
+DATA_KINDS = ("stdlib", "text", "jsonl", "chat", "tokens", "mqar")
+
+
+@dataclasses.dataclass(frozen=True)
+class MqarConfig:
+    """Synthetic multi-query associative recall examples for data.kind=mqar (jaxsb/data/mqar.py):
+    example i has length lengths[i % len(lengths)] (one token of it the eos), kv_fraction of it
+    key-value pairs; ids lie in [0, vocab), which the tokenizer's vocabulary must cover
+    (tokenizer.kind=bytes: 256 ids and its specials)."""
+
+    lengths: tuple[int, ...] = (256, 512, 1024)
+    kv_fraction: float = 0.125
+    vocab: int = 256
+    examples: int = 100_000  # units of one epoch
+
+    def validate(self, prefix: str = "data.mqar") -> None:
+        _check(len(self.lengths) > 0 and all(n >= 5 for n in self.lengths), f"{prefix}.lengths",
+               f"must list lengths >= 5, got {list(self.lengths)}")
+        _check(0 < self.kv_fraction <= 0.5, f"{prefix}.kv_fraction", f"must be in (0, 0.5], got {self.kv_fraction}")
+        _check(self.vocab >= 4 and self.vocab % 2 == 0, f"{prefix}.vocab", f"must be even and >= 4, got {self.vocab}")
+        _check(self.examples >= 1, f"{prefix}.examples", "must be >= 1")
+
+
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Where documents come from, how bad input is treated, and how a step's batch is cut."""
 
-    kind: str = "stdlib"  # stdlib | text | jsonl | chat | tokens
+    kind: str = "stdlib"  # stdlib | text | jsonl | chat | tokens | mqar
     path: str = ""  # directory (text), file or directory of .jsonl (jsonl, chat), .npy/.npz (tokens)
     extensions: tuple[str, ...] = (".py",)  # files read by kind=stdlib|text ("*" = all)
     text_field: str = "text"  # kind=jsonl
@@ -172,10 +212,15 @@ class DataConfig:
     row_buckets: tuple[int, ...] = (256, 512, 1024, 2048, 4096)  # allowed packed row lengths
     rows_per_device: int = 1
     seed: int = 0
+    mqar: MqarConfig = MqarConfig()  # kind=mqar
 
     def validate(self, prefix: str = "data") -> None:
-        _one_of(self.kind, ("stdlib", "text", "jsonl", "chat", "tokens"), f"{prefix}.kind")
-        _check(self.kind == "stdlib" or bool(self.path), f"{prefix}.path", f"required when data.kind={self.kind}")
+        _one_of(self.kind, DATA_KINDS, f"{prefix}.kind")
+        _check(self.kind in ("stdlib", "mqar") or bool(self.path), f"{prefix}.path",
+               f"required when data.kind={self.kind}")
+        self.mqar.validate(f"{prefix}.mqar")
+        _check(self.kind != "mqar" or max(self.mqar.lengths) <= self.max_len, f"{prefix}.mqar.lengths",
+               f"longest {max(self.mqar.lengths)} must be <= data.max_len={self.max_len} (examples are never split)")
         _one_of(self.long_policy, ("split", "truncate", "drop"), f"{prefix}.long_policy")
         _one_of(self.on_malformed, ("error", "skip"), f"{prefix}.on_malformed")
         _one_of(self.on_undecodable, ("error", "skip", "replace"), f"{prefix}.on_undecodable")
@@ -307,6 +352,8 @@ class Config:
                    "parallel.budgets=dst needs a static bound on the budgets (e.g. 2 x top_k)")
             _check(self.model.sparse.coverage_drop < 1, "model.sparse.coverage_drop",
                    "parallel.budgets=dst needs the runtime floor (coverage_drop < 1): it measures the curves")
+            _check(self.model.sparse.policy == "fixed", "model.sparse.policy",
+                   "parallel.budgets=dst chooses every document's budget; policy=floor would start them at 1")
         _check(self.parallel.planner == "none" or self.model.attention not in SINGLE_DEVICE_ATTENTION,
                "model.attention", f"{self.model.attention!r} has no sequence-parallel (ring) version; with "
                f"parallel.planner={self.parallel.planner!r} use one of xla, flash, sparse (or parallel.planner=none)")

@@ -28,9 +28,10 @@ def main(argv: list[str] | None = None) -> int:
     model, tokenizer, cfg = load_model(args)
     from jaxsb.models.hf_export import write_hf_checkpoint
     from jaxsb.models.pretrained import export_params
+    from jaxsb.training.evaluation import model_context
 
     files = write_hf_checkpoint(args.out, model.cfg, export_params(model), tokenizer.hf, tokenizer.bos_id,
-                                tokenizer.eos_id, max_positions=max(cfg.data.max_len, 2048),
+                                tokenizer.eos_id, max_positions=model_context(cfg),
                                 chat_template=tokenizer.chat_template, dtype=args.dtype)
     print(f"wrote {', '.join(f.name for f in files)} to {args.out}")
     return 0

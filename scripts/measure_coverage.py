@@ -26,14 +26,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 def pick_documents(tokenizer, root: str, count: int, max_len: int, block: int) -> tuple[list, int]:
     """[(relative path, token ids)] spread over log2 length bins; and how many were cut."""
-    from jaxsb.data.sources import _walk_files
+    from jaxsb.data.sources import walk_files
 
     lo, hi = int(math.log2(2 * block)), int(math.log2(max_len))
     bins = list(range(lo, hi + 1))
     per_bin = max(1, -(-count // len(bins)))
     chosen: dict[int, list] = {b: [] for b in bins}
     truncated = 0
-    for path in _walk_files(root, (".py",)):
+    for path in walk_files(root, (".py",)):
         with open(path, "rb") as f:
             text = f.read().decode("utf-8", errors="replace")
         ids = tokenizer.encode(text)

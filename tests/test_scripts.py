@@ -73,3 +73,12 @@ def test_bench_budgets_prints_the_three_runs():
     for run in ("dense", "sparse", "sparse+dst"):
         assert f"\n{run} " in out, out
     assert "executed imbalance" in out, out
+
+
+def test_quality_study_writes_the_table_and_plot(tmp_path):
+    fixture = os.path.join(REPO, "tests", "models", "hf_fixtures", "llama-hf5")
+    out = _run("scripts/quality_study.py", "--init", f"hf:{fixture}", "--lengths", "512", "--samples", "1",
+               "--long-docs", "1", "--max-doc-tokens", "300", "--only", "dense", "--only", "floor p=0.1",
+               "--out", str(tmp_path))
+    assert "| dense | " in out and "| floor p=0.1 | " in out, out
+    assert {"pretrained.json", "pretrained.md", "pretrained.png"} <= set(os.listdir(tmp_path))

@@ -39,6 +39,7 @@ class Document:
     origin: str  # "path", "path:line" or "path[doc i]", for messages
     text: str | None = None
     ids: np.ndarray | None = None
+    targets: np.ndarray | None = None  # with ids: bool per id, which are trained targets (default all)
     messages: list[tuple[str, str]] | None = None  # (role, content), kind=chat
 
     def as_text(self) -> str:
@@ -112,7 +113,7 @@ def _matches(name: str, extensions: tuple[str, ...]) -> bool:
     return "*" in extensions or name.endswith(tuple(extensions))
 
 
-def _walk_files(root: str, extensions: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> list[str]:
+def walk_files(root: str, extensions: tuple[str, ...], exclude: frozenset[str] = frozenset()) -> list[str]:
     if os.path.isfile(root):
         return [root]
     found = []
@@ -132,7 +133,7 @@ class FileTreeSource(Source):
         self.kind, self.root = kind, root
         if not os.path.exists(root):
             raise DataError(f"{root}: no such file or directory (data.path for data.kind={kind})")
-        self.files = _walk_files(root, tuple(cfg.extensions), exclude)
+        self.files = walk_files(root, tuple(cfg.extensions), exclude)
         if not self.files:
             raise DataError(
                 f"{root}: no files ending in {', '.join(cfg.extensions)} found "
@@ -191,7 +192,7 @@ class JsonlSource(Source):
         path = cfg.path
         if not os.path.exists(path):
             raise DataError(f"{path}: no such file or directory (data.path for data.kind={kind})")
-        self.files = _walk_files(path, (".jsonl",)) if os.path.isdir(path) else [path]
+        self.files = walk_files(path, (".jsonl",)) if os.path.isdir(path) else [path]
         if not self.files:
             raise DataError(f"{path}: no files ending in .jsonl found (data.kind={kind})")
         self.starts = [_line_starts(f) for f in self.files]
@@ -360,12 +361,46 @@ class TokenArraySource(Source):
         return Document(origin=where, ids=np.asarray(self.tokens[a:b], dtype=np.int32))
 
 
+class MqarSource(Source):
+    """Synthetic multi-query associative recall examples (jaxsb/data/mqar.py): unit i is example i
+    of the seeded stream, `data.mqar.lengths[i % len]` tokens long with the eos, its recalled
+    values the only targets."""
+
+    kind = "mqar"
+    unit_name = "examples"
+
+    def __init__(self, cfg: DataConfig, vocab_size: int, eos_id: int) -> None:
+        super().__init__(cfg)
+        if cfg.mqar.vocab > vocab_size:
+            raise DataError(f"data.mqar.vocab={cfg.mqar.vocab} ids do not fit the tokenizer's vocabulary of "
+                            f"{vocab_size} (tokenizer.kind=bytes covers 256)")
+        if eos_id < cfg.mqar.vocab:
+            raise DataError(f"the tokenizer's eos id {eos_id} lies inside the MQAR ids [0, {cfg.mqar.vocab}): "
+                            "use tokenizer.kind=bytes (eos 258) or a smaller data.mqar.vocab")
+
+    def __len__(self) -> int:
+        return self.cfg.mqar.examples
+
+    def describe(self) -> str:
+        m = self.cfg.mqar
+        return f"kind=mqar lengths={list(m.lengths)} kv_fraction={m.kv_fraction} vocab={m.vocab} ({len(self):,} examples)"
+
+    def read(self, unit: int, stats: DataStats) -> Document | None:
+        from jaxsb.data.mqar import example
+
+        stats.add("records_read")
+        m = self.cfg.mqar
+        length = m.lengths[unit % len(m.lengths)]
+        tokens, targets = example(np.random.default_rng([self.cfg.seed, unit]), length - 1, m.kv_fraction, m.vocab)
+        return Document(origin=f"mqar[{unit}]", ids=tokens, targets=targets)
+
+
 def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
 
 
 def open_source(cfg: DataConfig, vocab_size: int | None = None, eos_id: int | None = None) -> Source:
-    """The source for `cfg.kind`; kind=tokens needs the tokenizer's vocab_size and eos_id."""
+    """The source for `cfg.kind`; kind=tokens and mqar need the tokenizer's vocab_size and eos_id."""
     if cfg.kind == "stdlib":
         return FileTreeSource(cfg, stdlib_root(), "stdlib", EXCLUDED_DIRS)
     if cfg.kind == "text":
@@ -376,4 +411,8 @@ def open_source(cfg: DataConfig, vocab_size: int | None = None, eos_id: int | No
         if vocab_size is None or eos_id is None:
             raise DataError("data.kind=tokens: the tokenizer's vocab_size and eos_id are needed to validate ids")
         return TokenArraySource(cfg, vocab_size, eos_id)
-    raise DataError(f"data.kind={cfg.kind!r}: allowed stdlib, text, jsonl, chat, tokens")
+    if cfg.kind == "mqar":
+        if vocab_size is None or eos_id is None:
+            raise DataError("data.kind=mqar: the tokenizer's vocab_size and eos_id are needed to check the ids")
+        return MqarSource(cfg, vocab_size, eos_id)
+    raise DataError(f"data.kind={cfg.kind!r}: allowed stdlib, text, jsonl, chat, tokens, mqar")

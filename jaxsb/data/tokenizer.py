@@ -241,9 +241,9 @@ def build_tokenizer(cfg: TokenizerConfig, data_cfg: DataConfig, workdir: str | N
             log.warning("%s has %d tokens, more than tokenizer.vocab_size=%d; using the saved file so that "
                         "the resumed run tokenizes exactly as before", cached, tok.vocab_size, cfg.vocab_size)
         return tok
-    if data_cfg.kind == "tokens":
-        raise DataError("data.kind=tokens holds ids of an existing tokenizer: set tokenizer.kind=hf with that "
-                        "tokenizer's tokenizer.json (or bytes); a BPE cannot be trained on token ids")
+    if data_cfg.kind in ("tokens", "mqar"):
+        raise DataError(f"data.kind={data_cfg.kind} holds token ids, not text: set tokenizer.kind=bytes (or hf "
+                        "with the ids' tokenizer.json); a BPE cannot be trained on token ids")
     tok = train_bpe(sample_texts(data_cfg, cfg.train_bytes), cfg.vocab_size)
     if cached:
         os.makedirs(workdir, exist_ok=True)
@@ -293,5 +293,8 @@ def encode_document(doc: Document, tok: Tokenizer) -> tuple[np.ndarray, np.ndarr
             body = np.concatenate([body, np.array([tok.eos_id], np.int32)])
         ids = body.astype(np.int32)
         flags = np.ones(ids.size, dtype=bool)
+        if doc.ids is not None and doc.targets is not None:  # only the given targets train
+            flags[:] = False
+            flags[: doc.targets.size] = doc.targets
     flags[0] = False
     return ids, flags

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 from typing import Callable
 
 import jax
@@ -84,6 +85,25 @@ def _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT)
         same_BxTxT = segment_ids_BxT[:, :, None] == segment_ids_BxT[:, None, :]
         mask_Bx1xTxT = (same_BxTxT & causal_TxT)[:, None]
     return jax.nn.dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, mask=mask_Bx1xTxT)
+
+
+def cached_attention(q_BxNxHxD: jax.Array, cache_k_BxSxKxD: jax.Array, cache_v_BxSxKxD: jax.Array,
+                     positions_BxN: jax.Array) -> jax.Array:
+    """Decode-step attention against a KV cache: a query at position p attends densely to the
+    cache slots j <= p (slot = position; one document per row). float32 softmax; [B,N,H,D] in
+    q's dtype. Dense as in MoBA's evaluation: sparsity is a prefill decision."""
+    B, N, H, D = q_BxNxHxD.shape
+    K = cache_k_BxSxKxD.shape[2]
+    q_BxNxKxGxD = q_BxNxHxD.astype(jnp.float32).reshape(B, N, K, H // K, D)
+    s_BxKxGxNxS = jnp.einsum("bnkgd,bskd->bkgns", q_BxNxKxGxD, cache_k_BxSxKxD.astype(jnp.float32),
+                             precision=jax.lax.Precision.HIGHEST) / math.sqrt(D)
+    slots_S = jnp.arange(cache_k_BxSxKxD.shape[1])
+    visible_BxNxS = slots_S[None, None, :] <= positions_BxN[:, :, None]
+    s_BxKxGxNxS = jnp.where(visible_BxNxS[:, None, None], s_BxKxGxNxS, -jnp.inf)
+    p_BxKxGxNxS = jax.nn.softmax(s_BxKxGxNxS, axis=-1)
+    out_BxNxKxGxD = jnp.einsum("bkgns,bskd->bnkgd", p_BxKxGxNxS, cache_v_BxSxKxD.astype(jnp.float32),
+                               precision=jax.lax.Precision.HIGHEST)
+    return out_BxNxKxGxD.reshape(B, N, H, D).astype(q_BxNxHxD.dtype)
 
 
 def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,

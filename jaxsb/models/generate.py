@@ -1,8 +1,5 @@
-"""Greedy decoding and per-token log-likelihood for a `Llama` (no KV cache: small demos/tests).
-
-Every step reruns the model on a fixed-length buffer, so one compiled program serves the
-whole completion; causal masking makes the not-yet-written tail irrelevant.
-"""
+"""Per-token logits and log-likelihood of one document under a `Llama` (a full forward, no
+cache: the reference for jaxsb/models/decode.py), and greedy decoding through that module."""
 
 from __future__ import annotations
 
@@ -12,11 +9,14 @@ import numpy as np
 from flax import nnx
 
 from jaxsb.models.loss import next_token_loss
+from jaxsb.models.stats import pop_layer_stats
 
 
 @nnx.jit
 def _forward(model, tokens_BxT, segment_ids_BxT, positions_BxT):
-    return model(tokens_BxT, segment_ids_BxT, positions_BxT)
+    """(float32 logits [B,T,V], the layers' statistics: models/stats.py)."""
+    logits_BxTxV = model(tokens_BxT, segment_ids_BxT, positions_BxT)
+    return logits_BxTxV, pop_layer_stats(model)
 
 
 def _single_row(tokens: list[int]) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -27,17 +27,39 @@ def _single_row(tokens: list[int]) -> tuple[jax.Array, jax.Array, jax.Array]:
 
 def sequence_logits(model, tokens: list[int]) -> np.ndarray:
     """float32 logits [T, V] for one document."""
-    return np.asarray(_forward(model, *_single_row(tokens))[0])
+    return np.asarray(_forward(model, *_single_row(tokens))[0][0])
+
+
+@nnx.jit
+def _argmax_forward(model, tokens_BxT, segment_ids_BxT, positions_BxT):
+    logits_BxTxV, stats = _forward(model, tokens_BxT, segment_ids_BxT, positions_BxT)
+    return jnp.argmax(logits_BxTxV, axis=-1).astype(jnp.int32), stats
+
+
+def predicted_tokens(model, tokens_BxT: np.ndarray) -> tuple[np.ndarray, dict[str, float]]:
+    """(argmax next-token predictions [B,T] int32 for rows of one document each, the layers'
+    scalar statistics)."""
+    B, T = tokens_BxT.shape
+    pred, stats = _argmax_forward(model, jnp.asarray(tokens_BxT, jnp.int32), jnp.ones((B, T), jnp.int32),
+                                  jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
+    return np.asarray(pred), {name: float(v) for name, v in jax.device_get(stats).items() if np.ndim(v) == 0}
+
+
+def scored_nll(model, tokens: list[int]) -> tuple[float, int, dict[str, float]]:
+    """(sum of -log p(tokens[t+1] | tokens[:t+1]) over the document, number of predictions,
+    the layers' scalar statistics: the sparse router's, empty when dense)."""
+    toks, seg, pos = _single_row(tokens)
+    logits, stats = _forward(model, toks, seg, pos)
+    targets = jnp.concatenate([toks[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
+    mask = jnp.concatenate([jnp.ones((1, len(tokens) - 1)), jnp.zeros((1, 1))], axis=1)
+    total, count = next_token_loss(logits, targets, mask)
+    stats = {name: float(v) for name, v in jax.device_get(stats).items() if np.ndim(v) == 0}
+    return float(total), int(count), stats
 
 
 def next_token_nll(model, tokens: list[int]) -> tuple[float, int]:
     """(sum of -log p(tokens[t+1] | tokens[:t+1]) over the document, number of predictions)."""
-    toks, seg, pos = _single_row(tokens)
-    logits = _forward(model, toks, seg, pos)
-    targets = jnp.concatenate([toks[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
-    mask = jnp.concatenate([jnp.ones((1, len(tokens) - 1)), jnp.zeros((1, 1))], axis=1)
-    total, count = next_token_loss(logits, targets, mask)
-    return float(total), int(count)
+    return scored_nll(model, tokens)[:2]
 
 
 def mean_next_token_nll(model, tokens: list[int]) -> float:
@@ -46,22 +68,11 @@ def mean_next_token_nll(model, tokens: list[int]) -> float:
     return total / count
 
 
-def greedy_generate(model, prompt: list[int], max_new_tokens: int, eos_id: int | None = None,
-                    bucket: int = 32) -> list[int]:
-    """Greedy continuation of `prompt` (new tokens only), stopping after `eos_id`."""
+def greedy_generate(model, prompt: list[int], max_new_tokens: int, eos_id: int | None = None) -> list[int]:
+    """Greedy continuation of one prompt (new tokens only, stopping after `eos_id`), with a KV
+    cache (jaxsb/models/decode.py)."""
+    from jaxsb.models.decode import generate
+
     if not prompt:
         raise ValueError("greedy_generate needs a non-empty prompt")
-    length = -(-(len(prompt) + max_new_tokens) // bucket) * bucket
-    buf = np.zeros((length,), np.int32)
-    buf[: len(prompt)] = prompt
-    _, seg, pos = _single_row([0] * length)
-    n, out = len(prompt), []
-    for _ in range(max_new_tokens):
-        logits = _forward(model, jnp.asarray(buf[None]), seg, pos)
-        nxt = int(jnp.argmax(logits[0, n - 1]))
-        out.append(nxt)
-        buf[n] = nxt
-        n += 1
-        if eos_id is not None and nxt == eos_id:
-            break
-    return out
+    return generate(model, [prompt], max_new_tokens, eos_id=eos_id).tokens[0]

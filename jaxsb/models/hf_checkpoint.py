@@ -167,6 +167,17 @@ def chat_template_from_hf(directory: Path) -> str | None:
     return value
 
 
+def max_positions_from_hf(directory: Path) -> int | None:
+    """config.json's max_position_embeddings (the trained context), None when absent."""
+    path = directory / "config.json"
+    value = read_json(path).get("max_position_embeddings")
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HFCheckpointError(f"{path}: max_position_embeddings={value!r}: expected a positive integer")
+    return value
+
+
 def tokenizer_from_hf(directory: Path):
     """(tokenizers.Tokenizer, bos_id, eos_id) from tokenizer.json and the config files."""
     from tokenizers import Tokenizer

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jaxsb.config import ModelConfig
-from jaxsb.models.attention import attend, current_override, sparse_attend, sparse_options
+from jaxsb.models.attention import attend, cached_attention, current_override, sparse_attend, sparse_options
 from jaxsb.models.rope import apply_rope, rope_cos_sin
 
 
@@ -58,14 +58,23 @@ class Attention(nnx.Module):
         self.v_proj = _linear(cfg.hidden, cfg.kv_heads * cfg.head_dim, cfg, rngs, qkv_bias)
         self.o_proj = _linear(cfg.heads * cfg.head_dim, cfg.hidden, cfg, rngs, o_bias)
 
-    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
+    def _qkv(self, x_BxTxE, cos_BxTxD, sin_BxTxD):
+        """q [B,T,H,D] and k, v [B,T,K,D], RoPE applied to q and k."""
         cfg = self.cfg
         B, T, _ = x_BxTxE.shape
         q_BxTxHxD = self.q_proj(x_BxTxE).reshape(B, T, cfg.heads, cfg.head_dim)
         k_BxTxKxD = self.k_proj(x_BxTxE).reshape(B, T, cfg.kv_heads, cfg.head_dim)
         v_BxTxKxD = self.v_proj(x_BxTxE).reshape(B, T, cfg.kv_heads, cfg.head_dim)
-        q_BxTxHxD = apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD)
-        k_BxTxKxD = apply_rope(k_BxTxKxD, cos_BxTxD, sin_BxTxD)
+        return apply_rope(q_BxTxHxD, cos_BxTxD, sin_BxTxD), apply_rope(k_BxTxKxD, cos_BxTxD, sin_BxTxD), v_BxTxKxD
+
+    def _out(self, out_BxTxHxD):
+        B, T = out_BxTxHxD.shape[:2]
+        return self.o_proj(out_BxTxHxD.reshape(B, T, self.cfg.heads * self.cfg.head_dim))
+
+    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B, kv_out: bool = False):
+        """The layer's output [B,T,E]; with `kv_out` also its (k, v) [B,T,K,D] (a KV-cache prefill)."""
+        cfg = self.cfg
+        q_BxTxHxD, k_BxTxKxD, v_BxTxKxD = self._qkv(x_BxTxE, cos_BxTxD, sin_BxTxD)
         override = current_override()
         if override is not None:  # sequence-parallel execution (jaxsb/parallel/executor.py)
             out_BxTxHxD, stats = override(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, budgets_B)
@@ -80,7 +89,19 @@ class Attention(nnx.Module):
         else:
             out_BxTxHxD = attend(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT,
                                  implementation=cfg.attention, block=cfg.attention_block)
-        return self.o_proj(out_BxTxHxD.reshape(B, T, cfg.heads * cfg.head_dim))
+        out_BxTxE = self._out(out_BxTxHxD)
+        return (out_BxTxE, (k_BxTxKxD, v_BxTxKxD)) if kv_out else out_BxTxE
+
+    def decode(self, x_BxNxE, cos_BxNxD, sin_BxNxD, cache_k_BxSxKxD, cache_v_BxSxKxD, positions_BxN):
+        """N new tokens per row at `positions_BxN`: their k, v are written into the cache at
+        slots = positions, then they attend densely to the cache slots <= their position.
+        Returns (out [B,N,E], cache_k, cache_v)."""
+        q_BxNxHxD, k_BxNxKxD, v_BxNxKxD = self._qkv(x_BxNxE, cos_BxNxD, sin_BxNxD)
+        rows_Bx1 = jnp.arange(x_BxNxE.shape[0])[:, None]
+        cache_k_BxSxKxD = cache_k_BxSxKxD.at[rows_Bx1, positions_BxN].set(k_BxNxKxD.astype(cache_k_BxSxKxD.dtype))
+        cache_v_BxSxKxD = cache_v_BxSxKxD.at[rows_Bx1, positions_BxN].set(v_BxNxKxD.astype(cache_v_BxSxKxD.dtype))
+        out_BxNxHxD = cached_attention(q_BxNxHxD, cache_k_BxSxKxD, cache_v_BxSxKxD, positions_BxN)
+        return self._out(out_BxNxHxD), cache_k_BxSxKxD, cache_v_BxSxKxD
 
 
 class MLP(nnx.Module):
@@ -105,9 +126,19 @@ class Block(nnx.Module):
         self.mlp_norm = RMSNorm(cfg.hidden, **norm)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
-        x_BxTxE = x_BxTxE + self.attn(self.attn_norm(x_BxTxE), segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B)
-        return x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
+    def __call__(self, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B, kv_out: bool = False):
+        attn = self.attn(self.attn_norm(x_BxTxE), segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B, kv_out)
+        attn_BxTxE, kv = attn if kv_out else (attn, None)
+        x_BxTxE = x_BxTxE + attn_BxTxE
+        x_BxTxE = x_BxTxE + self.mlp(self.mlp_norm(x_BxTxE))
+        return (x_BxTxE, kv) if kv_out else x_BxTxE
+
+    def decode(self, x_BxNxE, cos_BxNxD, sin_BxNxD, cache_k, cache_v, positions_BxN):
+        """As __call__ for N new tokens against the layer's KV cache (Attention.decode)."""
+        attn_BxNxE, cache_k, cache_v = self.attn.decode(self.attn_norm(x_BxNxE), cos_BxNxD, sin_BxNxD,
+                                                        cache_k, cache_v, positions_BxN)
+        x_BxNxE = x_BxNxE + attn_BxNxE
+        return x_BxNxE + self.mlp(self.mlp_norm(x_BxNxE)), cache_k, cache_v
 
 
 def _run_block(block: Block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B):
@@ -144,23 +175,56 @@ class Llama(nnx.Module):
         """The decoder stack and head applied to given input embeddings; float32 logits.
 
         `budgets_B`: per-row sparse-attention budget in key blocks (model.attention=sparse);
-        default `cfg.sparse.top_k` for every row. Ignored by the dense implementations."""
+        default `cfg.sparse.start_budget` for every row. Ignored by the dense implementations."""
+        hidden_BxTxE, _ = self._stack(x_BxTxE, segment_ids_BxT, positions_BxT, budgets_B, kv_out=False)
+        return self.head(hidden_BxTxE)
+
+    def _stack(self, x_BxTxE, segment_ids_BxT, positions_BxT, budgets_B, kv_out: bool):
+        """(final-normed hidden states [B,T,E], per layer (k, v) when `kv_out` else None)."""
         cfg = self.cfg
         if budgets_B is None:
-            budgets_B = jnp.full((x_BxTxE.shape[0],), cfg.sparse.top_k, jnp.int32)
+            budgets_B = jnp.full((x_BxTxE.shape[0],), cfg.sparse.start_budget, jnp.int32)
         cos_BxTxD, sin_BxTxD = rope_cos_sin(positions_BxT, cfg.head_dim, cfg.rope_theta, cfg.rope)
         segment_ids_BxT = segment_ids_BxT.astype(jnp.int32)
         x_BxTxE = x_BxTxE.astype(_dtype(cfg.dtype))
+        if kv_out:  # a KV-cache prefill: no gradients, so no remat
+            kvs = []
+            for block in self.layers:
+                x_BxTxE, kv = block(x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B, kv_out=True)
+                kvs.append(kv)
+            return self.final_norm(x_BxTxE), kvs
         run = _run_block_remat if cfg.remat else _run_block
         for block in self.layers:
             x_BxTxE = run(block, x_BxTxE, segment_ids_BxT, cos_BxTxD, sin_BxTxD, budgets_B)
-        x_BxTxE = self.final_norm(x_BxTxE)
-        if cfg.tie_embeddings:
-            head_ExV = self.embed.embedding[...].astype(x_BxTxE.dtype).T
+        return self.final_norm(x_BxTxE), None
+
+    def head(self, hidden_BxTxE: jax.Array) -> jax.Array:
+        """float32 logits [B,T,V] of final-normed hidden states."""
+        if self.cfg.tie_embeddings:
+            head_ExV = self.embed.embedding[...].astype(hidden_BxTxE.dtype).T
         else:
-            head_ExV = self.lm_head.kernel[...].astype(x_BxTxE.dtype)
+            head_ExV = self.lm_head.kernel[...].astype(hidden_BxTxE.dtype)
         # logits accumulate in float32 even when the matmul inputs are bfloat16
-        return jnp.einsum("bte,ev->btv", x_BxTxE, head_ExV, preferred_element_type=jnp.float32)
+        return jnp.einsum("bte,ev->btv", hidden_BxTxE, head_ExV, preferred_element_type=jnp.float32)
+
+    def prefill(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array,
+                budgets_B: jax.Array | None = None):
+        """The prompt under the configured attention (dense or sparse), for a KV cache:
+        (final-normed hidden states [B,T,E], per layer (k, v) [B,T,K,D]). jaxsb/models/decode.py."""
+        return self._stack(self.embed_tokens(tokens_BxT), segment_ids_BxT, positions_BxT, budgets_B, kv_out=True)
+
+    def decode(self, tokens_BxN: jax.Array, positions_BxN: jax.Array, cache: list):
+        """N new tokens per row at `positions_BxN` against the per-layer KV cache [(k, v)
+        [B,S,K,D]] (slot = position; dense attention to slots <= position). Returns (float32
+        logits [B,N,V], the updated cache)."""
+        cfg = self.cfg
+        cos_BxNxD, sin_BxNxD = rope_cos_sin(positions_BxN, cfg.head_dim, cfg.rope_theta, cfg.rope)
+        x_BxNxE = self.embed_tokens(tokens_BxN).astype(_dtype(cfg.dtype))
+        new_cache = []
+        for block, (cache_k, cache_v) in zip(self.layers, cache):
+            x_BxNxE, cache_k, cache_v = block.decode(x_BxNxE, cos_BxNxD, sin_BxNxD, cache_k, cache_v, positions_BxN)
+            new_cache.append((cache_k, cache_v))
+        return self.head(self.final_norm(x_BxNxE)), new_cache
 
     def __call__(self, tokens_BxT: jax.Array, segment_ids_BxT: jax.Array, positions_BxT: jax.Array,
                  budgets_B: jax.Array | None = None) -> jax.Array:

@@ -38,6 +38,7 @@ class Pretrained:
     bos_id: int | None
     eos_id: int | None
     chat_template: str | None = None  # Jinja, from the checkpoint's tokenizer files
+    context: int | None = None  # positions the model was trained for (GGUF context_length, HF max_position_embeddings)
 
 
 def find_smollm2_gguf() -> Path:
@@ -61,7 +62,8 @@ def _load_gguf(path: str) -> Pretrained:
     if tokenizer.get_vocab_size() != config["vocab_size"]:
         raise GGUFError(f"{path}: tokenizer has {tokenizer.get_vocab_size()} tokens but the model "
                         f"vocab_size is {config['vocab_size']}")
-    return Pretrained(config, params, tokenizer, bos, eos)
+    context = meta.get("llama.context_length")
+    return Pretrained(config, params, tokenizer, bos, eos, context=int(context) if context else None)
 
 
 def load_pretrained(init: str) -> Pretrained:
@@ -78,7 +80,8 @@ def load_pretrained(init: str) -> Pretrained:
         config = hf_checkpoint.config_from_hf(directory)
         params = hf_checkpoint.params_from_hf(directory, config)
         tokenizer, bos, eos = hf_checkpoint.tokenizer_from_hf(directory)
-        return Pretrained(config, params, tokenizer, bos, eos, hf_checkpoint.chat_template_from_hf(directory))
+        return Pretrained(config, params, tokenizer, bos, eos, hf_checkpoint.chat_template_from_hf(directory),
+                          context=hf_checkpoint.max_positions_from_hf(directory))
     raise ValueError(f"init={init!r}: expected 'smollm2-135m' or 'hf:/path/to/checkpoint_dir'")
 
 

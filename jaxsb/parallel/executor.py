@@ -193,7 +193,7 @@ def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mes
     sharding = NamedSharding(mesh, P(AXIS, None))
     out = []
     for m in range(len(plan.template.microbatches)):
-        host = layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.top_k)
+        host = layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.start_budget)
         out.append({f: global_array(host[f], sharding) for f in FIELDS})
     return out
 

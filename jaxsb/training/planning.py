@@ -116,7 +116,7 @@ class StepPlanner:
     def plan(self, step: StepPieces) -> PlannedStep:
         seqs = step_sequences(step)
         lengths = [len(s) for s in seqs]
-        budgets = [self.model_cfg.sparse.top_k] * len(seqs)
+        budgets = [self.model_cfg.sparse.start_budget] * len(seqs)
         coverage = None if self.history is None else self.history.curves_for(lengths)
         t0 = time.perf_counter()
         solution = self.planner.solve(lengths, None if coverage else budgets, coverage=coverage)

@@ -129,7 +129,7 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         if "predicted_step_ms" in record:
             record["measured_step_ms"] = step_time * 1e3
         if model_cfg.attention == "sparse":
-            record["sparse_budget"] = model_cfg.sparse.top_k
+            record["sparse_budget"] = model_cfg.sparse.start_budget
             record["sparse_blocks"] = sparse_blocks  # mean selected per query block
             record["sparse_coverage"] = float(metrics["sparse_coverage"])
             # the runtime floor (model.sparse.coverage_drop): token-weighted means over the layers

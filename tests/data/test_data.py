@@ -157,7 +157,7 @@ def test_hf_tokenizer_from_path_and_errors(tmp_path):
         Tokenizer.from_file(str(bad))
     with pytest.raises(DataError, match="tokenizer.kind=model"):
         build_tokenizer(TokenizerConfig(kind="model"), DataConfig(), None)
-    with pytest.raises(DataError, match="data.kind=tokens holds ids"):
+    with pytest.raises(DataError, match="data.kind=tokens holds token ids, not text"):
         build_tokenizer(TokenizerConfig(kind="bpe"), DataConfig(kind="tokens", path="x.npz"), None)
 
 

@@ -38,11 +38,25 @@ def test_overrides_are_typed():
     ("tokenizer.kind=model", "tokenizer.kind: kind=model needs a pretrained model.init"),
     ("model.sparse.top_k=0", "model.sparse.top_k: must be >= 1"),
     ("model.sparse.blocksize=64", "model.sparse.blocksize: unknown key 'blocksize' in model.sparse"),
+    ("model.sparse.policy=lazy", "model.sparse.policy: got 'lazy', allowed: fixed, floor"),
+    ("data.kind=mqar;data.mqar.lengths=4096", "data.mqar.lengths: longest 4096 must be <= data.max_len=1024"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:
-        load_config("default", [override])
+        load_config("default", override.split(";"))
     assert message in str(err.value)
+
+
+def test_floor_policy_needs_the_floor_and_no_planned_budgets():
+    """policy=floor starts documents at budget 1: without the runtime floor (coverage_drop >= 1)
+    they would stay there, and with budgets=dst the planner's budgets would be overridden."""
+    sparse = ["model.attention=sparse", "model.sparse.policy=floor"]
+    assert load_config("default", sparse).model.sparse.start_budget == 1
+    assert load_config("default", ["model.attention=sparse"]).model.sparse.start_budget == 8
+    with pytest.raises(ConfigError, match="model.sparse.policy: floor starts every document at budget 1"):
+        load_config("default", [*sparse, "model.sparse.coverage_drop=1"])
+    with pytest.raises(ConfigError, match="model.sparse.policy: parallel.budgets=dst chooses"):
+        load_config("default", [*sparse, "parallel.budgets=dst", "model.sparse.max_blocks=16"])
 
 
 def test_missing_config_lists_shipped_ones():

@@ -224,7 +224,7 @@ def test_cli_eval_pretrained_prints_perplexity(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err[-3000:]
     lines = out.strip().splitlines()
-    assert lines[0].startswith("tokens: ")
+    assert lines[-2].startswith("tokens: ") and lines[-3].startswith("attention work: 1.0000 of dense")
     ppl = float(lines[-1].removeprefix("perplexity: "))
     assert 1.0 < ppl < 60.0, ppl
 
