@@ -97,6 +97,12 @@ def plot(results: dict[str, dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _save(path: str, args, lengths: list[int], results: dict) -> None:
+    with open(path, "w") as f:
+        json.dump({"init": args.init, "lengths": lengths, "samples": args.samples, "seed": args.seed,
+                   "long_docs": args.long_docs, "max_doc_tokens": args.max_doc_tokens, "results": results}, f, indent=2)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--init", default="smollm2-135m", help="the pretrained model (model.init)")
@@ -121,7 +127,14 @@ def main(argv=None) -> int:
     results = {}
     if args.only and os.path.exists(results_path):  # --only adds to / replaces in earlier results
         with open(results_path) as f:
-            results = json.load(f)["results"]
+            earlier = json.load(f)
+        same = {"init": args.init, "lengths": lengths, "samples": args.samples, "seed": args.seed,
+                "long_docs": args.long_docs, "max_doc_tokens": args.max_doc_tokens}
+        differ = {k: (earlier.get(k), v) for k, v in same.items() if earlier.get(k) != v}
+        if differ:
+            raise SystemExit(f"{results_path} was made with other settings {differ} (saved, asked): "
+                             "use another --out or the same settings")
+        results = earlier["results"]
     passkey_args = ["--task", "passkey", "--lengths", args.lengths, "--samples", str(args.samples),
                     "--seed", str(args.seed), "--batch-size", str(args.batch_size)]
     ppl_args = ["--long-docs", str(args.long_docs), "--max-doc-tokens", str(args.max_doc_tokens)]
@@ -133,12 +146,11 @@ def main(argv=None) -> int:
         if args.long_docs:
             r["perplexity"] = run_eval(args.init, overrides, ppl_args)
         results[name] = r
+        _save(results_path, args, lengths, results)  # after every setting: a long run keeps what it did
         print(f"{name}: passkey {r['passkey']['accuracy']:.3f} at work {r['passkey']['work']['attention_fraction']:.3f}"
               + (f", perplexity {r['perplexity']['perplexity']:.3f}" if args.long_docs else ""), flush=True)
     results = {n: results[n] for n in chosen if n in results}
-    with open(results_path, "w") as f:
-        json.dump({"init": args.init, "lengths": lengths, "samples": args.samples, "seed": args.seed,
-                   "long_docs": args.long_docs, "max_doc_tokens": args.max_doc_tokens, "results": results}, f, indent=2)
+    _save(results_path, args, lengths, results)
     lines = table(results, lengths)
     with open(os.path.join(args.out, "pretrained.md"), "w") as f:
         f.write("\n".join(lines) + "\n")

@@ -122,3 +122,37 @@ def test_mqar_accuracy_is_the_brute_force_recall(capsys, tmp_path):
 def test_mqar_vocabulary_must_fit_the_model(capsys):
     code, _, err = _run(capsys, "--task", "mqar", "--set", "data.mqar.lengths=64")
     assert code == 2 and "data.mqar.vocab=256 ids do not fit the model's vocabulary of 96" in err
+
+
+@pytest.mark.slow
+def test_smollm2_finds_the_passkey_densely(capsys):
+    """The README's passkey command on the real model, at a short length: dense SmolLM2 retrieves
+    every key (greedy decoding is deterministic)."""
+    pytest.importorskip("gguf")
+    from jaxsb.models.pretrained import find_smollm2_gguf
+
+    try:
+        find_smollm2_gguf()
+    except Exception as e:  # the wheel is installed by scripts/setup.sh
+        pytest.skip(f"SmolLM2 GGUF not installed: {e}")
+    code = main(["--set", "model.init=smollm2-135m", "--task", "passkey", "--lengths", "512", "--samples", "2",
+                 "--max-new-tokens", "8"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert out.strip().splitlines()[-1] == "accuracy: 1.0000", out
+
+
+@pytest.mark.slow
+def test_mqar_config_trains_and_its_run_evaluates(tmp_path, capsys):
+    """`python -m jaxsb.train --config mqar` (shrunk) and `eval --workdir RUN --task mqar`."""
+    from jaxsb.train import main as train_main
+
+    small = ["--set", "train.steps=2", "--set", "data.mqar.lengths=64,128", "--set", "data.max_len=128",
+             "--set", "data.row_buckets=64,128", "--set", "data.tokens_per_step=1024", "--set", "parallel.planner=none"]
+    assert train_main(["--config", "mqar", "--workdir", str(tmp_path), *small]) == 0
+    capsys.readouterr()
+    code = main(["--workdir", str(tmp_path), "--task", "mqar", "--samples", "2"])
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    assert code == 0, err
+    assert [x.split(":")[0] for x in lines[:2]] == ["length 64", "length 128"] and lines[-1].startswith("accuracy: ")

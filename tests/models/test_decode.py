@@ -16,7 +16,7 @@ import pytest
 from jaxsb.config import SparseConfig
 from jaxsb.models.decode import dense_causal_pairs, generate
 from jaxsb.models.generate import greedy_generate
-from test_model import TINY, make_model
+from tiny_models import TINY, make_model
 from tolerances import tol
 
 SPARSE = dataclasses.replace(TINY, attention="sparse", sparse=SparseConfig(block_size=4, top_k=1, coverage_drop=1.0))
