@@ -158,18 +158,21 @@ class JaxsbPlanner(PlannerBase):
             plan, fields = self._layout(lengths, estimate)
             res = tune(self.cost, plan, coverage, base=o["base"], p=o["p"], anchor=o["anchor"],
                        max_blocks=o["max_blocks"], per_document=True, raise_to="free")
-            plan = dataclasses.replace(plan.with_budgets(res.budgets), predicted_ms=float("nan"))
+            plan = plan.with_budgets(res.budgets)
             plan = dataclasses.replace(plan, predicted_ms=self.cost.plan_time_ms(plan))
             if best is None or plan.predicted_ms < best[0].predicted_ms - 1e-9:
                 best = (plan, fields, r)
             estimate = list(res.budgets)
         plan, fields, r = best
         self.history.update(lengths, plan.budgets)
-        floor = floors(coverage, o["base"], o["p"])
-        T, Mm = self.lin.tables(lengths, floor)
+        lower = self._lower_bound(lengths, floors(coverage, o["base"], o["p"]))  # no budget below its floor
+        return plan, dict(fields, lower_bound_ms=lower, predicted_ms=plan.predicted_ms, budget_round=r)
+
+    def _lower_bound(self, lengths: list[int], budgets) -> float:
+        """Micro-batch overheads times the fewest micro-batches that fit, plus the work beyond."""
+        T, Mm = self.lin.tables(lengths, budgets)
         m_min, beyond = simple_lower_bound(T, Mm, self.lin.fits(Mm), self.lin, lengths, parts=True)
-        lower = m_min * float(self.lin.base_time.min()) + beyond
-        return plan, dict(fields, lower_bound_ms=float(lower), predicted_ms=plan.predicted_ms, budget_round=r)
+        return float(m_min * float(self.lin.base_time.min()) + beyond)
 
     def _layout(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         deadline = time.perf_counter() + self.time_limit_s
