@@ -12,6 +12,7 @@ import dataclasses
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from jaxsb.config import SparseConfig
 from jaxsb.models.decode import dense_causal_pairs, generate
@@ -22,11 +23,18 @@ from tolerances import tol
 SPARSE = dataclasses.replace(TINY, attention="sparse", sparse=SparseConfig(block_size=4, top_k=1, coverage_drop=1.0))
 
 
+@nnx.jit
+def _forward(model, tokens_1xT, segment_ids_1xT, positions_1xT, budgets):
+    logits = model(tokens_1xT, segment_ids_1xT, positions_1xT, budgets)
+    nnx.pop(model, nnx.Intermediate)  # the sparse layers' statistics: not left on the model
+    return logits
+
+
 def _full_logits(model, tokens: list[int], budgets_T=None) -> np.ndarray:
     T = len(tokens)
     args = (jnp.asarray([tokens], jnp.int32), jnp.ones((1, T), jnp.int32), jnp.arange(T, dtype=jnp.int32)[None])
     budgets = None if budgets_T is None else jnp.asarray([budgets_T], jnp.int32)
-    return np.asarray(model(*args, budgets))[0]
+    return np.asarray(_forward(model, *args, budgets))[0]
 
 
 def _prompts(lengths, seed=3):
