@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from jaxsb.models.stats import pop_layer_stats
+from jaxsb.models.stats import host_scalars, pop_layer_stats
 
 
 @dataclasses.dataclass
@@ -97,7 +96,7 @@ def generate(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id: in
     cache_len = _round_up(max(lengths) + max_new_tokens, block)
     logits, cache, stats = _prefill(model, jnp.asarray(tokens), jnp.asarray(segment_ids), jnp.asarray(positions),
                                     jnp.asarray(budgets_B), jnp.asarray(np.asarray(lengths) - 1), cache_len)
-    stats = {name: float(v) for name, v in jax.device_get(stats).items() if np.ndim(v) == 0}
+    stats = host_scalars(stats)
     dense = dense_causal_pairs(lengths, block, cfg.kv_heads, cfg.layers)
     done = np.zeros((B,), bool)
     out: list[list[int]] = [[] for _ in prompts]

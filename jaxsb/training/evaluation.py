@@ -120,12 +120,9 @@ def generate_all(model, prompts: list[list[int]], max_new_tokens: int, *, eos_id
 def model_context(cfg) -> int:
     """Positions an evaluation may use: the longest of the run's `data.max_len` and the
     pretrained model's trained context (GGUF context_length, HF max_position_embeddings)."""
-    context = cfg.data.max_len
-    if cfg.model.init != "scratch":
-        from jaxsb.models.pretrained import load_pretrained
+    from jaxsb.models.pretrained import pretrained_context
 
-        context = max(context, load_pretrained(cfg.model.init).context or 0)
-    return context
+    return max(cfg.data.max_len, pretrained_context(cfg.model.init) or 0)
 
 
 def load_for_eval(cfg, workdir: str | None, overrides: list[str] = ()):
