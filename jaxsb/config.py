@@ -278,7 +278,9 @@ class ParallelConfig:
     # batch-adaptive | flexsp | skrull | jaxsb
     planner: str = "jaxsb"
     scheme: str = "ring"  # attention of multi-device groups: ring | ulysses (uneven groups: ring)
-    preset: str = "cpu"  # cost model: a preset name (see jaxsb.planner.cost) or a calibrated JSON path
+    # cost model: auto (the devices' data-sheet preset, jaxsb.planner.hardware; "cpu" on CPU) | a
+    # chip (tpu-v5p, gpu-h100, ...) | "cpu" | a published profile (jaxsb.planner.cost) | a calibrated JSON
+    preset: str = "auto"
     sp_degree: int = 0  # the static planner's degree (0 = all devices)
     cp: int = 0  # skrull's context-parallel group size (0 = all devices; dp = devices / cp)
     max_programs: int = 8  # compiled step programs at most; later plans reuse or fall back

@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", default="flexsp-a100:gpt-7b",
                    help="cost model: flexsp-a100:gpt-7b|gpt-13b|gpt-30b, skrull-h100:qwen2.5-0.5b|qwen2.5-7b, "
                         "sparsebalance-h200:qwen2.5-0.5b|qwen2.5-3b (DP x PP pipelines), or a calibrated .json")
+    p.add_argument("--model", default=None, metavar="CONFIG",
+                   help="with a chip preset (tpu-v5p, tpu-v5e, tpu-v6e, gpu-h100, gpu-h200, gpu-a100: data-sheet "
+                        "figures, jaxsb.planner.hardware): the jaxsb config whose model is priced (default: default)")
     p.add_argument("--preset-option", action="append", default=[], metavar="KEY=VALUE",
                    help="extra preset option, e.g. memory_limit_gb=28 (repeatable)")
     p.add_argument("--global-batch", type=int, default=512, help="sequences per step, all DP ranks together")
@@ -71,10 +74,36 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def chip_cost(chip: str, config: str | None, num_devices: int, options: dict):
+    """A chip's data-sheet cost model for the model of a jaxsb config (`--model`); options:
+    devices_per_node, block (the sparse routing block, default the config's)."""
+    import dataclasses
+
+    from jaxsb.config import load_config
+    from jaxsb.planner.hardware import CHIPS, hardware_cost
+
+    cfg = load_config(config or "default", [])
+    model = cfg.model
+    if model.init != "scratch":  # the checkpoint's shape (smollm2-135m, hf:DIR)
+        from jaxsb.models.pretrained import load_pretrained
+
+        model = dataclasses.replace(model, **load_pretrained(model.init).config)
+    if not model.vocab_size:  # a model trained from scratch gets its tokenizer's vocabulary
+        model = dataclasses.replace(model, vocab_size=cfg.tokenizer.vocab_size)
+    unknown = set(options) - {"devices_per_node", "block"}
+    if unknown:
+        raise ValueError(f"--preset {chip}: options {sorted(unknown)} are not supported (devices_per_node, block)")
+    return hardware_cost(CHIPS[chip], model, num_devices, fsdp=cfg.parallel.fsdp,
+                         block=int(options.get("block", model.sparse.block_size)),
+                         devices_per_node=options.get("devices_per_node"))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    from jaxsb.config import ConfigError
     from jaxsb.plan import PlanError
     from jaxsb.planner.cost import load_preset
+    from jaxsb.planner.hardware import CHIPS
 
     pipeline = is_pipeline_preset(args.preset)
     try:
@@ -86,7 +115,8 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n = resolve_sizes(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
         preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option, pp=args.pp)
-        cost = load_preset(args.preset, **preset_opts)
+        cost = chip_cost(args.preset, args.model, n, preset_opts) if args.preset in CHIPS else \
+            load_preset(args.preset, **preset_opts)
         names = list(dict.fromkeys(args.planner or ([] if args.table_i else ["jaxsb" if pipeline else "static"])))
         budget_opts = dict(coverage_drop=args.coverage_drop, anchor=args.anchor) | (dict(mbs=args.mbs) if pipeline else {})
         planners, per_planner = make_planners(names, args.planner_option, cost, n, args.time_limit, args.dp, args.cp,
@@ -100,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, args.seed)
         align = 1 if pipeline else 2 * n
         batches, dropped, scanned = make_batches(source, n, args.global_batch, args.max_len, args.steps, align=align)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError, ConfigError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     what = args.lengths or f"--dist {args.dist} (seed {args.seed})"

@@ -4,6 +4,7 @@ parameters."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import inspect
 import math
@@ -12,9 +13,11 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-# "auto" picks Pallas only where the kernels have been compiled: the GPU (Triton) path. On TPU
-# implementation="pallas" runs the Mosaic kernels (mosaic.py), which lower to Mosaic but have
-# not yet been compiled by a TPU's libtpu, so "auto" stays on XLA there until they have.
+# "auto" picks Pallas only where the kernels have run: the GPU (Triton) path. On TPU
+# implementation="pallas" runs the Mosaic kernels (mosaic.py): libtpu compiles them
+# (tests/targets/), but no TPU has run them, so their numerics are checked only in the TPU
+# interpreter and their speed not at all; "auto" stays on XLA there until one has
+# (flash_attention/README.md, "auto on TPU").
 AUTO_PALLAS_BACKENDS = ("gpu",)
 PALLAS_BACKENDS = ("gpu", "tpu")
 
@@ -65,6 +68,26 @@ def dot(a, b, dims):
     return lax.dot_general(a, b, dims, precision=(HI, HI), preferred_element_type=jnp.float32)
 
 
+def triton_dot(a, b, dims, interpret: bool):
+    """A matmul of the Triton kernels, accumulating in float32 with the operands in their own
+    dtype: bf16 / f16 go to the tensor cores as they are; float32 ones compiled for the GPU run
+    as 3xTF32 (tensor cores, float32-level accuracy; plain float32 there means scalar FMA
+    loops, ~10x slower to compile and to run), interpreted at full float32 precision."""
+    if a.dtype == jnp.float32 and not interpret:
+        return lax.dot_general(a, b, dims, precision=lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
+                               preferred_element_type=jnp.float32)
+    return dot(a, b, dims)
+
+
+def unless_skip(kind, skip: int, update, carry):
+    """In a Triton kernel's walk over block pairs: update(carry) unless the pair's kind is `skip`.
+    The other kinds (FULL, PARTIAL) share one masked body (a FULL pair's mask is all true): a
+    second, unmasked copy of the body, as the XLA paths have, doubled the kernels' code and
+    compile time (flash fwd + bwd at T = 1024, D = 64, bf16 for H100: 3.6-3.9 s against
+    2.0-2.6 s) to save a few elementwise ops per pair."""
+    return lax.cond(kind == skip, lambda c: c, update, carry)
+
+
 def next_pow2(n: int) -> int:
     return 1 << max(0, int(n) - 1).bit_length()
 
@@ -104,11 +127,44 @@ def check_qkv(q, k, v, segment_ids) -> tuple[int, int, int, int, int]:
     return B, T, H, K, D
 
 
+def _platform_name(platform: str) -> str:
+    platform = str(platform).lower()
+    return "gpu" if platform in ("cuda", "rocm", "gpu") else platform
+
+
+@contextlib.contextmanager
+def compile_platform(platform: str | None):
+    """Programs traced inside this block are compiled for `platform` ("tpu", "gpu" or "cuda",
+    "cpu"; None changes nothing). Ahead-of-time compilation for devices this host does not have
+    (compile-only TPU topologies, deviceless GPU targets) says where the program will run, so
+    the kernels are chosen for that platform, not for the host's CPU. It is JAX's own default
+    device setting (`jax.default_device(platform)`), which jit's caches key on: a function traced
+    for one platform is traced again for another. Only trace and lower inside the block: arrays
+    created eagerly there would go to that platform."""
+    if platform is None:
+        yield
+        return
+    with jax.default_device(_platform_name(platform)):
+        yield
+
+
+def target_backend() -> str:
+    """The platform the program being traced is compiled for: JAX's default device when one is
+    set (`compile_platform`, or a user's `jax.default_device(...)`), else jax.default_backend().
+    Every kernel choice (the implementation, interpreted or not, Mosaic or Triton) is made from
+    this, never from the host's backend directly."""
+    device = jax.config.jax_default_device
+    if device is None:
+        return _platform_name(jax.default_backend())
+    return _platform_name(device if isinstance(device, str) else device.platform)
+
+
 def resolve_implementation(implementation: str, interpret: bool | None) -> tuple[str, bool]:
     """("xla" | "pallas", interpret) for an entry point's "auto" | "xla" | "pallas" choice:
-    "auto" is Pallas on AUTO_PALLAS_BACKENDS, XLA elsewhere; Pallas interprets on a CPU host
-    unless told otherwise, and compiled Pallas on an unsupported backend is refused."""
-    backend = jax.default_backend()
+    "auto" is Pallas on AUTO_PALLAS_BACKENDS, XLA elsewhere; Pallas interprets on a CPU target
+    unless told otherwise, and compiled Pallas for an unsupported platform is refused. The
+    platform is `target_backend()`: where the program is compiled, not the host."""
+    backend = target_backend()
     if implementation == "auto":
         implementation = "pallas" if backend in AUTO_PALLAS_BACKENDS else "xla"
     if implementation != "pallas":
@@ -117,17 +173,18 @@ def resolve_implementation(implementation: str, interpret: bool | None) -> tuple
         interpret = backend == "cpu"
     if not interpret and backend not in PALLAS_BACKENDS:
         raise ValueError(
-            f"compiled Pallas needs a backend in {PALLAS_BACKENDS}, got {backend=}; "
-            "pass interpret=True (or None) to use the Pallas interpreter"
+            f"compiled Pallas needs a target platform in {PALLAS_BACKENDS}, got {backend!r}; "
+            "pass interpret=True (or None) to use the Pallas interpreter, or compile for a TPU or "
+            "GPU target (kernels_pallas.compile_platform, python -m jaxsb.compile)"
         )
     return implementation, bool(interpret)
 
 
 def pallas_target() -> str:
     """Which Pallas kernels implementation="pallas" runs: "mosaic" (mosaic.py, TPU layout and
-    scalar prefetch) on a TPU backend, else "triton" (the GPU kernels; on a CPU host they run
-    in the interpreter)."""
-    return "mosaic" if jax.default_backend() == "tpu" else "triton"
+    scalar prefetch) when compiling for a TPU, else "triton" (the GPU kernels; on a CPU host
+    they run in the interpreter)."""
+    return "mosaic" if target_backend() == "tpu" else "triton"
 
 
 def triton_compiler_params(interpret: bool):

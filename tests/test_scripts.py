@@ -82,3 +82,35 @@ def test_quality_study_writes_the_table_and_plot(tmp_path):
                "--out", str(tmp_path))
     assert "| dense | " in out and "| floor p=0.1 | " in out, out
     assert {"pretrained.json", "pretrained.md", "pretrained.png"} <= set(os.listdir(tmp_path))
+
+
+def _dry_run(script: str, *args: str) -> list[str]:
+    proc = subprocess.run(["bash", script, "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout.strip().splitlines()
+
+
+def test_launch_tpu_pod_dry_run_prints_its_commands():
+    lines = _dry_run("scripts/launch_tpu_pod.sh", "--tpu", "my-v5p", "--zone", "us-east5-a", "--workdir",
+                     "/mnt/runs/a", "--", "--set", "train.steps=100")
+    assert lines[0].startswith("git -C ") and "archive" in lines[0]
+    assert "--worker=all" in lines[1] and "scp" in lines[1]
+    assert "scripts/setup.sh\\ --runtime\\ tpu" in lines[2]
+    assert "parallel.coordinator=auto" in lines[3] and "train.steps=100" in lines[3] and "/mnt/runs/a" in lines[3]
+
+
+def test_launch_slurm_dry_run_prints_its_commands():
+    lines = _dry_run("scripts/launch_slurm.sh", "--nodes", "4", "--partition", "gpu", "--", "--set", "train.steps=9")
+    assert lines[0] == "srun --partition=gpu --nodes=1 --ntasks=1 bash scripts/setup.sh --runtime gpu"
+    assert lines[1].startswith("srun --partition=gpu --nodes=4 --ntasks-per-node=1 --gpus-per-node=8 ")
+    assert "parallel.coordinator=auto" in lines[1] and lines[1].endswith("--set train.steps=9")
+
+
+@pytest.mark.parametrize("script, args, message", [
+    ("scripts/launch_tpu_pod.sh", ["--dry-run", "--tpu", "x"], "--tpu NAME and --zone ZONE are required"),
+    ("scripts/launch_slurm.sh", ["--dry-run", "--nodes", "two"], "must be positive integers"),
+    ("scripts/launch_slurm.sh", ["--dry-run", "--bogus"], "unknown argument --bogus"),
+])
+def test_launch_scripts_refuse_bad_arguments(script, args, message):
+    proc = subprocess.run(["bash", script, *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr

@@ -185,17 +185,24 @@ def plan_value_and_grad(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, temp
     return run
 
 
+def plan_host_buffers(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig) -> list[dict[str, np.ndarray]]:
+    """Every micro-batch's host buffers ([N, T] per field, FIELDS)."""
+    return [layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.start_budget)
+            for m in range(len(plan.template.microbatches))]
+
+
+def microbatch_sharding(mesh: Mesh) -> NamedSharding:
+    """A micro-batch buffer's [N, T] rows split over the devices, one row each."""
+    return NamedSharding(mesh, P(AXIS, None))
+
+
 def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mesh: Mesh) -> list[dict]:
     """Host buffers of every micro-batch, placed on the devices ([N, T] split by rows). With
     several processes each builds the same host buffers and places only its own devices' rows."""
     from jaxsb.devices import global_array
 
-    sharding = NamedSharding(mesh, P(AXIS, None))
-    out = []
-    for m in range(len(plan.template.microbatches)):
-        host = layout_microbatch(plan, m, seqs, alignment(model_cfg), default_budget=model_cfg.sparse.start_budget)
-        out.append({f: global_array(host[f], sharding) for f in FIELDS})
-    return out
+    sharding = microbatch_sharding(mesh)
+    return [{f: global_array(host[f], sharding) for f in FIELDS} for host in plan_host_buffers(plan, seqs, model_cfg)]
 
 
 def device_loads(plan: Plan, cost_fn: Callable[[Any, list[int], list], float]) -> np.ndarray:

@@ -26,7 +26,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsb.config import Config, ModelConfig
+from jaxsb.config import Config, ConfigError, ModelConfig
 from jaxsb.data import Piece, StepPieces
 from jaxsb.plan.layout import SeqData
 from jaxsb.plan import GroupSpec, Plan, Runnable, Template, build_plan
@@ -65,11 +65,36 @@ SHIPPED_PRESETS = {  # calibrated on this project's CPU machine by `python -m ja
 }
 
 
-def load_cost_model(preset: str, num_devices: int, max_len: int):
-    """`parallel.preset`: a shipped calibrated preset ("cpu"), a calibrated JSON path, or a
-    published profile (jaxsb.planner.cost.load_preset)."""
-    from jaxsb.planner.cost import load_preset
+def resolve_preset(preset: str, device_kind: str) -> str:
+    """`parallel.preset=auto`: the data-sheet preset of the devices the run uses (their jax
+    `device_kind`, e.g. "TPU v5 lite" -> tpu-v5e), the shipped calibrated "cpu" on CPU devices.
+    Any other value is returned unchanged."""
+    from jaxsb.planner.hardware import CHIPS, chip_for_device_kind
 
+    if preset != "auto":
+        return preset
+    if device_kind.lower() == "cpu":
+        return "cpu"
+    found = chip_for_device_kind(device_kind)
+    if found is None:
+        raise ConfigError(f"parallel.preset=auto: no data-sheet preset for devices of kind {device_kind!r} "
+                          f"(known: {', '.join(CHIPS)}); set parallel.preset to one of them or to a "
+                          "calibrated JSON made by `python -m jaxsb.calibrate --out PATH`")
+    return found.name
+
+
+def load_cost_model(preset: str, num_devices: int, max_len: int, model_cfg: ModelConfig | None = None,
+                    fsdp: bool = True):
+    """`parallel.preset`: a shipped calibrated preset ("cpu"), a calibrated JSON path, a chip's
+    data-sheet preset (jaxsb.planner.hardware.CHIPS: tpu-v5p, gpu-h100, ...; needs the model),
+    or a published profile (jaxsb.planner.cost.load_preset)."""
+    from jaxsb.planner.cost import load_preset
+    from jaxsb.planner.hardware import CHIPS, hardware_cost
+
+    if preset in CHIPS:
+        if model_cfg is None:
+            raise ValueError(f"parallel.preset={preset!r} prices a model: pass its ModelConfig")
+        return hardware_cost(CHIPS[preset], model_cfg, num_devices, fsdp=fsdp)
     path = SHIPPED_PRESETS.get(preset, preset)
     if path.endswith(".json"):
         if not os.path.exists(path):
@@ -89,13 +114,15 @@ def priced_in_blocks(cost, block: int):
 class StepPlanner:
     """The configured planner applied to each step's sequences."""
 
-    def __init__(self, cfg: Config, model_cfg: ModelConfig, num_devices: int):
+    def __init__(self, cfg: Config, model_cfg: ModelConfig, num_devices: int, device_kind: str = "cpu"):
+        """`device_kind`: jax's name for the devices planned for (parallel.preset=auto)."""
         from jaxsb.planner.registry import make_planner, planner_options
 
         self.cfg, self.model_cfg, self.num_devices = cfg, model_cfg, num_devices
         self.runnable = Runnable.for_model(model_cfg)
         self.align = self.runnable.align
-        self.cost = load_cost_model(cfg.parallel.preset, num_devices, cfg.data.max_len)
+        self.preset = resolve_preset(cfg.parallel.preset, device_kind)
+        self.cost = load_cost_model(self.preset, num_devices, cfg.data.max_len, model_cfg, cfg.parallel.fsdp)
         if model_cfg.attention == "sparse":
             self.cost = priced_in_blocks(self.cost, model_cfg.sparse.block_size)
         p = cfg.parallel

@@ -44,9 +44,8 @@ def split_model(model: nnx.Module):
     return graphdef, nnx.to_pure_dict(params), rest
 
 
-def build_model_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool, pretrained_params=None):
-    """Returns (graphdef, rest, tx, state, state_shardings): state created sharded from its
-    abstract shape, either freshly initialised or from pretrained weights."""
+def _state_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool):
+    """(init_state(key) -> state, tx, key, abstract state, its shardings, graphdef, rest)."""
     tx = make_optimizer(train_cfg)
 
     def init_state(key):
@@ -59,6 +58,22 @@ def build_model_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool, pretrai
     abstract = jax.eval_shape(init_state, key)
     shardings = mesh_lib.state_shardings(mesh, abstract, fsdp)
     graphdef, _, rest = split_model(nnx.eval_shape(lambda: Llama(model_cfg, rngs=nnx.Rngs(0))))
+    return init_state, tx, key, abstract, shardings, graphdef, rest
+
+
+def abstract_model_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool):
+    """(graphdef, rest, tx, state as ShapeDtypeStructs with their shardings, state_shardings):
+    what compiling a step needs, without creating any array (the mesh may be of compile-only
+    devices)."""
+    _, tx, _, abstract, shardings, graphdef, rest = _state_fns(model_cfg, train_cfg, mesh, fsdp)
+    structs = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, shardings)
+    return graphdef, rest, tx, structs, shardings
+
+
+def build_model_fns(model_cfg: ModelConfig, train_cfg, mesh, fsdp: bool, pretrained_params=None):
+    """Returns (graphdef, rest, tx, state, state_shardings): state created sharded from its
+    abstract shape, either freshly initialised or from pretrained weights."""
+    init_state, tx, key, abstract, shardings, graphdef, rest = _state_fns(model_cfg, train_cfg, mesh, fsdp)
     if pretrained_params is None:
         state = jax.jit(init_state, out_shardings=shardings)(key)
     else:

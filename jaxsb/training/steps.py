@@ -105,7 +105,7 @@ class PlannedSteps:
         from jaxsb.training.planning import ProgramBudget, StepPlanner
 
         self.data, self.mesh, self.model_cfg, self.log = data, mesh, model_cfg, log
-        self.planner = StepPlanner(cfg, model_cfg, mesh.devices.size)
+        self.planner = StepPlanner(cfg, model_cfg, mesh.devices.size, mesh.devices.flat[0].device_kind)
         self.budget = ProgramBudget(cfg.parallel.max_programs)
         self.compiler = PlanCompiler(graphdef, rest, tx, model_cfg, mesh, state_shardings)
         self.pool = ThreadPoolExecutor(1) if cfg.parallel.background_planning else None

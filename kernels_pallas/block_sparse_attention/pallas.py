@@ -11,7 +11,8 @@ causal mask). Repeats collapse in `sel` by construction, so duplicates count onc
     scatter and no atomics).
 The order is fixed (ascending) whatever order the user gave, so results do not depend on it.
 
-Three `pl.pallas_call`s, float32 arithmetic whatever the input dtype:
+Three `pl.pallas_call`s, matmuls in the input dtype accumulating in float32 (as the flash
+kernels: flash_attention/pallas.py), all other arithmetic float32:
   * forward, grid (B, H, nq): program (b, h, i) reads kv head h // G and loops
     `fori_loop(0, count)` over its table row (a data-dependent trip count: work follows the
     counts), slicing key block j out of the whole-row k/v with pl.ds; causal + same-segment +
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, dot as _dot
+from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
 
 
@@ -135,22 +136,22 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                 blocks: SparseTritonBlocks):
     bs, Dp = blocks.bs, blocks.Dp
     q_start = pl.program_id(2) * bs
-    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bs, Dp]
+    q = q_ref[...]  # [bs, Dp]
     sq = sq_ref[...]
 
     def body(s, carry):
         m, l, acc = carry
         j = tab_ref[1 + s]
         k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
         mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
-        sc = jnp.where(mask, _dot(q, k, _NT), NEG)
+        sc = jnp.where(mask, _mm(q, k, _NT, blocks.interpret) * blocks.scale, NEG)
         m_new = jnp.maximum(m, sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(-1)
-        acc = alpha[:, None] * acc + _dot(p, v, _NN)
+        acc = alpha[:, None] * acc + _mm(p.astype(v.dtype), v, _NN, blocks.interpret)
         return m_new, l, acc
 
     init = (
@@ -168,8 +169,8 @@ def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
                dq_ref, *, blocks: SparseTritonBlocks):
     bs, Dp = blocks.bs, blocks.Dp
     q_start = pl.program_id(2) * bs
-    q = q_ref[...].astype(jnp.float32) * blocks.scale
-    do = do_ref[...].astype(jnp.float32)
+    q = q_ref[...]
+    do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     sq = sq_ref[...]
@@ -177,12 +178,12 @@ def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
     def body(s, dq):
         j = tab_ref[1 + s]
         k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
         mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
-        p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse[:, None]), 0.0)
-        ds = p * (_dot(do, v, _NT) - delta[:, None])
-        return dq + _dot(ds, k, _NN)
+        p = jnp.where(mask, jnp.exp(_mm(q, k, _NT, blocks.interpret) * blocks.scale - lse[:, None]), 0.0)
+        ds = p * (_mm(do, v, _NT, blocks.interpret) - delta[:, None])
+        return dq + _mm(ds.astype(k.dtype), k, _NN, blocks.interpret)
 
     dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((bs, Dp), jnp.float32))
     dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
@@ -192,8 +193,8 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
                 dk_ref, dv_ref, *, blocks: SparseTritonBlocks, G: int):
     bs, Dp = blocks.bs, blocks.Dp
     k_start = pl.program_id(2) * bs
-    k = k_ref[...].astype(jnp.float32)  # [bs, Dp]
-    v = v_ref[...].astype(jnp.float32)
+    k = k_ref[...]  # [bs, Dp]
+    v = v_ref[...]
     sk = sk_ref[...]
     n = tab_ref[0]
 
@@ -202,20 +203,21 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
             dk, dv = carry
             i = tab_ref[1 + t]
             q_slice = pl.ds(pl.multiple_of(i * bs, bs), bs)
-            q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
-            do = do_ref[g, q_slice, :].astype(jnp.float32)
+            q = q_ref[g, q_slice, :]
+            do = do_ref[g, q_slice, :]
             mask = _mask(sq_ref[q_slice], sk, i * bs, k_start, blocks)
-            p = jnp.where(mask, jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None]), 0.0)
-            dv = dv + _dot(p, do, _TN)
-            ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
-            dk = dk + _dot(ds, q, _TN)  # q holds the scale
+            s = _mm(q, k, _NT, blocks.interpret) * blocks.scale
+            p = jnp.where(mask, jnp.exp(s - lse_ref[g, q_slice][:, None]), 0.0)
+            dv = dv + _mm(p.astype(do.dtype), do, _TN, blocks.interpret)
+            ds = p * (_mm(do, v, _NT, blocks.interpret) - delta_ref[g, q_slice][:, None])
+            dk = dk + _mm(ds.astype(q.dtype), q, _TN, blocks.interpret)  # the scale is applied once, at the end
             return dk, dv
 
         return lax.fori_loop(0, n, body, carry)
 
     zeros = jnp.zeros((bs, Dp), jnp.float32)
     dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * blocks.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 

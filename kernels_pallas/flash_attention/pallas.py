@@ -1,6 +1,10 @@
 """Pallas flash attention (FlashAttention-2): forward, dQ and dK/dV kernels, `jax.custom_vjp`.
 
-Three `pl.pallas_call`s, all arithmetic float32 whatever the input dtype:
+Three `pl.pallas_call`s. Matmuls take their operands in the input dtype and accumulate in
+float32 (bf16 inputs reach the tensor cores; float32 ones stay float32 at full precision), as
+FlashAttention-2 does: the probabilities and dS are rounded to the input dtype for their
+matmuls, everything else (softmax, running max and sum, accumulators) is float32. Upcasting
+the operands instead made Triton emit scalar FMA loops: ~15x slower to compile (and to run).
   * forward, grid (B, H, nq): one query block per program, online softmax over the key blocks
     it can see; writes the output and the per-query log-sum-exp (lse);
   * dQ, grid (B, H, nq): same walk, recomputes p = exp(s - lse) and accumulates dQ;
@@ -18,10 +22,10 @@ Work skipping, per batch row (each program knows its row): `block_tables` classi
 same conservative rule as xla.block_kinds, not reduced over the batch) and derives, for each
 query block, the [first, last + 1) range of key blocks that are not SKIP (and the transpose for
 each key block). The kernels loop only over that range (so causal pairs above the diagonal and
-documents far away cost nothing), and inside it a `lax.switch` on the pair's kind runs nothing
+documents far away cost nothing), and inside it a `lax.cond` on the pair's kind runs nothing
 for SKIP pairs in the middle of the range (e.g. a query block holding a document and padding
-sees the first document's key blocks and the padding's, not the ones between), no mask
-arithmetic for FULL pairs, and the mask for PARTIAL ones.
+sees the first document's key blocks and the padding's, not the ones between) and the masked
+update for the others (FULL pairs too: one copy of the body, `common.unless_skip`).
 
 Padding: T is padded to whole blocks (Tq, Tk). Padded queries copy the last real segment id
 (they see real keys; their outputs are sliced off and their cotangent is zero); padded keys are
@@ -39,8 +43,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, dot as _dot
-from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
+from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
+from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params, unless_skip
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -151,44 +155,29 @@ def _mask(sq, sk, q_start, k_start, blocks: FlashTritonBlocks, shape):
     return mask
 
 
-def _by_kind(kind, skip, update, carry):
-    """Run nothing (SKIP), update(carry, masked=False) (FULL) or masked=True (PARTIAL)."""
-    return lax.switch(
-        kind,
-        [skip, functools.partial(update, masked=False), functools.partial(update, masked=True)],
-        carry,
-    )
-
-
 def _fwd_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref,
                 *, blocks: FlashTritonBlocks):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     q_start = pl.program_id(2) * bq
-    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bq, Dp]
+    q = q_ref[...]  # [bq, Dp]
     sq = sq_ref[...]
 
-    def update(carry, ki, masked):
+    def update(carry, ki):
         m, l, acc = carry
         k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
-        s = _dot(q, k, _NT)  # [bq, bk]
-        if masked:
-            mask = _mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk))
-            s = jnp.where(mask, s, NEG)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
+        mask = _mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk))
+        s = jnp.where(mask, _mm(q, k, _NT, blocks.interpret) * blocks.scale, NEG)  # [bq, bk]
         m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[:, None])
-        if masked:
-            p = jnp.where(mask, p, 0.0)
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(-1)
-        acc = alpha[:, None] * acc + _dot(p, v, _NN)
+        acc = alpha[:, None] * acc + _mm(p.astype(v.dtype), v, _NN, blocks.interpret)
         return m_new, l, acc
 
     def body(ki, carry):
-        return _by_kind(
-            kinds_ref[ki], lambda c: c, functools.partial(update, ki=ki), carry
-        )
+        return unless_skip(kinds_ref[ki], SKIP, functools.partial(update, ki=ki), carry)
 
     init = (
         jnp.full((bq,), NEG, jnp.float32),
@@ -205,24 +194,23 @@ def _dq_kernel(kinds_ref, krange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_re
                delta_ref, dq_ref, *, blocks: FlashTritonBlocks):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     q_start = pl.program_id(2) * bq
-    q = q_ref[...].astype(jnp.float32) * blocks.scale
-    do = do_ref[...].astype(jnp.float32)
+    q = q_ref[...]
+    do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     sq = sq_ref[...]
 
-    def update(dq, ki, masked):
+    def update(dq, ki):
         k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
-        p = jnp.exp(_dot(q, k, _NT) - lse[:, None])
-        if masked:
-            p = jnp.where(_mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk)), p, 0.0)
-        ds = p * (_dot(do, v, _NT) - delta[:, None])
-        return dq + _dot(ds, k, _NN)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
+        p = jnp.exp(_mm(q, k, _NT, blocks.interpret) * blocks.scale - lse[:, None])
+        p = jnp.where(_mask(sq, sk_ref[k_slice], q_start, ki * bk, blocks, (bq, bk)), p, 0.0)
+        ds = p * (_mm(do, v, _NT, blocks.interpret) - delta[:, None])
+        return dq + _mm(ds.astype(k.dtype), k, _NN, blocks.interpret)
 
     def body(ki, dq):
-        return _by_kind(kinds_ref[ki], lambda c: c, functools.partial(update, ki=ki), dq)
+        return unless_skip(kinds_ref[ki], SKIP, functools.partial(update, ki=ki), dq)
 
     dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
     dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
@@ -232,34 +220,31 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
                 delta_ref, dk_ref, dv_ref, *, blocks: FlashTritonBlocks, G: int):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     k_start = pl.program_id(2) * bk
-    k = k_ref[...].astype(jnp.float32)  # [bk, Dp]
-    v = v_ref[...].astype(jnp.float32)
+    k = k_ref[...]  # [bk, Dp]
+    v = v_ref[...]
     sk = sk_ref[...]
 
-    def update(carry, g, qi, masked):
+    def update(carry, g, qi):
         dk, dv = carry
         q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
-        q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
-        do = do_ref[g, q_slice, :].astype(jnp.float32)
-        p = jnp.exp(_dot(q, k, _NT) - lse_ref[g, q_slice][:, None])  # [bq, bk]
-        if masked:
-            p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, blocks, (bq, bk)), p, 0.0)
-        dv = dv + _dot(p, do, _TN)
-        ds = p * (_dot(do, v, _NT) - delta_ref[g, q_slice][:, None])
-        dk = dk + _dot(ds, q, _TN)  # q holds the scale
+        q = q_ref[g, q_slice, :]
+        do = do_ref[g, q_slice, :]
+        p = jnp.exp(_mm(q, k, _NT, blocks.interpret) * blocks.scale - lse_ref[g, q_slice][:, None])  # [bq, bk]
+        p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, blocks, (bq, bk)), p, 0.0)
+        dv = dv + _mm(p.astype(do.dtype), do, _TN, blocks.interpret)
+        ds = p * (_mm(do, v, _NT, blocks.interpret) - delta_ref[g, q_slice][:, None])
+        dk = dk + _mm(ds.astype(q.dtype), q, _TN, blocks.interpret)  # the scale is applied once, at the end
         return dk, dv
 
     def per_head(g, carry):
         def body(qi, carry):
-            return _by_kind(
-                kinds_ref[qi], lambda c: c, functools.partial(update, g=g, qi=qi), carry
-            )
+            return unless_skip(kinds_ref[qi], SKIP, functools.partial(update, g=g, qi=qi), carry)
 
         return lax.fori_loop(qrange_ref[0], qrange_ref[1], body, carry)
 
     zeros = jnp.zeros((bk, Dp), jnp.float32)
     dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
-    dk_ref[...] = dk.astype(dk_ref.dtype)
+    dk_ref[...] = (dk * blocks.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
 
 

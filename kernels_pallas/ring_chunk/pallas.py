@@ -1,7 +1,7 @@
 """The chunk op in Pallas: forward (out, lse), dQ and dK/dV kernels of one chunk pair.
 
-Three `pl.pallas_call`s in the shape of the flash kernels (flash_attention/pallas.py), all
-arithmetic float32:
+Three `pl.pallas_call`s in the shape of the flash kernels (flash_attention/pallas.py), with
+their arithmetic: matmuls in the input dtype accumulating in float32, everything else float32:
   * forward, grid (B, H, nq): one query block per program, online softmax over the key blocks
     of its visit range; writes the block's float32 output and lse;
   * dQ, grid (B, H, nq): same walk, p = exp(s - lse) from the caller's (global) lse;
@@ -17,9 +17,9 @@ repeated per kv head ([B, K, nq, nk]; a program of query head h reads row h // G
 block selection `select` [B, K, nq, nk] (block-sparse ring rounds, jaxsb/parallel/ring_sparse.py),
 SKIP wherever it is False; then, per query block (key block), the [first, last + 1) range of
 key (query) blocks that are not SKIP.
-A program loops over that range only and a `lax.switch` on the pair's kind skips SKIP pairs
-inside it, leaves the mask out of FULL pairs and masks PARTIAL ones; skipped blocks are never
-loaded. A device whose ring round is idle passes active=False: every pair is SKIP and every
+A program loops over that range only and a `lax.cond` on the pair's kind skips SKIP pairs
+inside it and masks the others (FULL ones too: one copy of the body, `common.unless_skip`);
+skipped blocks are never loaded. A device whose ring round is idle passes active=False: every pair is SKIP and every
 range empty, so its programs only write zeros.
 
 Layout inside: q/o [B, H, Lqp, Dp] (viewed as [B, K, G, Lqp, Dp] by the dK/dV kernel), k/v
@@ -41,10 +41,10 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, NN, NT, TN, dot, pad_axis, triton_compiler_params
+from kernels_pallas.common import NEG, NN, NT, TN, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
 from kernels_pallas.common import out_struct as _out_struct
 from kernels_pallas.ring_chunk import tables
-from kernels_pallas.ring_chunk.tables import FULL, PARTIAL, SKIP, ChunkBlocks
+from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks
 
 # ----------------------------------------------------------------------------- kernels
 
@@ -54,41 +54,28 @@ def _mask(sq, pq, sk, pk):
     return (sq[:, None] == sk[None, :]) & (pk[None, :] <= pq[:, None])
 
 
-def _by_kind(kind, update, carry):
-    """Run nothing (SKIP), update(carry, masked=False) (FULL) or masked=True (PARTIAL)."""
-    branches = [None] * 3
-    branches[SKIP] = lambda c: c
-    branches[FULL] = functools.partial(update, masked=False)
-    branches[PARTIAL] = functools.partial(update, masked=True)
-    return lax.switch(kind, branches, carry)
-
-
 def _fwd_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
                 o_ref, lse_ref, *, blocks: ChunkBlocks):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
-    q = q_ref[...].astype(jnp.float32) * blocks.scale  # [bq, Dp]
+    q = q_ref[...]  # [bq, Dp]
     sq, pq = sq_ref[...], pq_ref[...]
 
-    def update(carry, ki, masked):
+    def update(carry, ki):
         m, l, acc = carry
         k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
-        s = dot(q, k, NT)  # [bq, bk]
-        if masked:
-            mask = _mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice])
-            s = jnp.where(mask, s, NEG)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
+        mask = _mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice])
+        s = jnp.where(mask, _mm(q, k, NT, blocks.interpret) * blocks.scale, NEG)  # [bq, bk]
         m_new = jnp.maximum(m, s.max(-1))
-        p = jnp.exp(s - m_new[:, None])
-        if masked:
-            p = jnp.where(mask, p, 0.0)  # a row with nothing allowed keeps l == 0
+        p = jnp.where(mask, jnp.exp(s - m_new[:, None]), 0.0)  # a row with nothing allowed keeps l == 0
         alpha = jnp.exp(m - m_new)
         l = alpha * l + p.sum(-1)
-        acc = alpha[:, None] * acc + dot(p, v, NN)
+        acc = alpha[:, None] * acc + _mm(p.astype(v.dtype), v, NN, blocks.interpret)
         return m_new, l, acc
 
     def body(ki, carry):
-        return _by_kind(kinds_ref[ki], functools.partial(update, ki=ki), carry)
+        return unless_skip(kinds_ref[ki], SKIP, functools.partial(update, ki=ki), carry)
 
     init = (jnp.full((bq,), NEG, jnp.float32), jnp.zeros((bq,), jnp.float32),
             jnp.zeros((bq, Dp), jnp.float32))
@@ -101,23 +88,22 @@ def _fwd_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_
 def _dq_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
                do_ref, lse_ref, delta_ref, dq_ref, *, blocks: ChunkBlocks):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
-    q = q_ref[...].astype(jnp.float32) * blocks.scale
-    do = do_ref[...].astype(jnp.float32)
+    q = q_ref[...]
+    do = do_ref[...].astype(q.dtype)
     lse, delta = lse_ref[...], delta_ref[...]
     sq, pq = sq_ref[...], pq_ref[...]
 
-    def update(dq, ki, masked):
+    def update(dq, ki):
         k_slice = pl.ds(pl.multiple_of(ki * bk, bk), bk)
-        k = k_ref[k_slice, :].astype(jnp.float32)
-        v = v_ref[k_slice, :].astype(jnp.float32)
-        p = jnp.exp(dot(q, k, NT) - lse[:, None])
-        if masked:
-            p = jnp.where(_mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice]), p, 0.0)
-        ds = p * (dot(do, v, NT) - delta[:, None])
-        return dq + dot(ds, k, NN)
+        k = k_ref[k_slice, :]
+        v = v_ref[k_slice, :]
+        p = jnp.exp(_mm(q, k, NT, blocks.interpret) * blocks.scale - lse[:, None])
+        p = jnp.where(_mask(sq, pq, sk_ref[k_slice], pk_ref[k_slice]), p, 0.0)
+        ds = p * (_mm(do, v, NT, blocks.interpret) - delta[:, None])
+        return dq + _mm(ds.astype(k.dtype), k, NN, blocks.interpret)
 
     def body(ki, dq):
-        return _by_kind(kinds_ref[ki], functools.partial(update, ki=ki), dq)
+        return unless_skip(kinds_ref[ki], SKIP, functools.partial(update, ki=ki), dq)
 
     dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
     dq_ref[...] = dq * blocks.scale
@@ -126,31 +112,31 @@ def _dq_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_r
 def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
                 do_ref, lse_ref, delta_ref, dk_ref, dv_ref, *, blocks: ChunkBlocks, G: int):
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
-    k = k_ref[...].astype(jnp.float32)  # [bk, Dp]
-    v = v_ref[...].astype(jnp.float32)
+    k = k_ref[...]  # [bk, Dp]
+    v = v_ref[...]
     sk, pk = sk_ref[...], pk_ref[...]
 
-    def update(carry, g, qi, masked):
+    def update(carry, g, qi):
         dk, dv = carry
         q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
-        q = q_ref[g, q_slice, :].astype(jnp.float32) * blocks.scale
-        do = do_ref[g, q_slice, :].astype(jnp.float32)
-        p = jnp.exp(dot(q, k, NT) - lse_ref[g, q_slice][:, None])  # [bq, bk]
-        if masked:
-            p = jnp.where(_mask(sq_ref[q_slice], pq_ref[q_slice], sk, pk), p, 0.0)
-        dv = dv + dot(p, do, TN)
-        ds = p * (dot(do, v, NT) - delta_ref[g, q_slice][:, None])
-        dk = dk + dot(ds, q, TN)  # q holds the scale
+        q = q_ref[g, q_slice, :]
+        do = do_ref[g, q_slice, :].astype(q.dtype)
+        p = jnp.exp(_mm(q, k, NT, blocks.interpret) * blocks.scale - lse_ref[g, q_slice][:, None])  # [bq, bk]
+        p = jnp.where(_mask(sq_ref[q_slice], pq_ref[q_slice], sk, pk), p, 0.0)
+        dv = dv + _mm(p.astype(do.dtype), do, TN, blocks.interpret)
+        ds = p * (_mm(do, v, NT, blocks.interpret) - delta_ref[g, q_slice][:, None])
+        dk = dk + _mm(ds.astype(q.dtype), q, TN, blocks.interpret)  # the scale is applied once, at the end
         return dk, dv
 
     def per_head(g, carry):
         def body(qi, carry):
-            return _by_kind(kinds_ref[qi], functools.partial(update, g=g, qi=qi), carry)
+            return unless_skip(kinds_ref[qi], SKIP, functools.partial(update, g=g, qi=qi), carry)
 
         return lax.fori_loop(qrange_ref[0], qrange_ref[1], body, carry)
 
     zeros = jnp.zeros((bk, Dp), jnp.float32)
-    dk_ref[...], dv_ref[...] = lax.fori_loop(0, G, per_head, (zeros, zeros))
+    dk, dv_ref[...] = lax.fori_loop(0, G, per_head, (zeros, zeros))
+    dk_ref[...] = dk * blocks.scale
 
 
 # ----------------------------------------------------------------------------- pallas_calls

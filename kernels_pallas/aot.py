@@ -1,0 +1,126 @@
+"""Every kernel as a program to compile ahead of time for a device this host may not have.
+
+`kernel_programs(case, device)` gives, for one shape case, the compiled-Pallas programs of the
+three kernels — flash attention, block-sparse attention and the ring's chunk op — forward alone
+and forward + backward (the vjp with a cotangent), with abstract inputs on `device` (a
+compile-only TPU or deviceless GPU device, or a real one). `compile_program` lowers them for the
+device's platform (`common.compile_platform`: Mosaic on TPU, Triton on GPU) and compiles,
+timing both. Used by the compile-target tests and `scripts/compile_kernels.py`; numerics are
+checked elsewhere (the interpreter suites): this only proves the real compiler accepts them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import SingleDeviceSharding
+
+from kernels_pallas.block_sparse_attention import block_sparse_attention
+from kernels_pallas.common import compile_platform
+from kernels_pallas.flash_attention import flash_attention
+from kernels_pallas.ring_chunk import attention_chunk
+
+KERNELS = ("flash", "block_sparse", "ring_chunk")
+DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One shape: B rows of T tokens, H query heads over K kv heads of width D."""
+
+    T: int
+    D: int = 128
+    H: int = 8
+    K: int = 2
+    dtype: str = "bfloat16"
+    B: int = 1
+    block: int = 128  # block-sparse routing block
+    max_blocks: int = 8  # block-sparse: selected key blocks per query block at most
+
+    @property
+    def label(self) -> str:
+        return f"T={self.T} H={self.H}/{self.K} D={self.D} {self.dtype}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    kernel: str
+    direction: str
+    case: Case
+    fn: Callable
+    args: tuple  # ShapeDtypeStructs on the device
+
+    @property
+    def name(self) -> str:
+        return f"{self.kernel} {self.direction} {self.case.label}"
+
+
+def _with_vjp(fn: Callable, ndiff: int) -> Callable:
+    """fn's output and the gradient of the first `ndiff` arguments for a unit-free cotangent:
+    sum(out * out) keeps the cotangent data-dependent, so nothing is folded away."""
+
+    def run(*args):
+        def loss(*diff):
+            out = fn(*diff, *args[ndiff:])
+            out = out[0] if isinstance(out, tuple) else out
+            return jnp.sum(jnp.square(out.astype(jnp.float32)))
+
+        return jax.value_and_grad(loss, argnums=tuple(range(ndiff)))(*args[:ndiff])
+
+    return run
+
+
+def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS) -> list[Program]:
+    """The compiled-Pallas programs of `kernels` x `directions` at `case`, inputs on `device`."""
+    sh = SingleDeviceSharding(device)
+    dt = jnp.dtype(case.dtype)
+    B, T, H, K, D = case.B, case.T, case.H, case.K, case.D
+    q = jax.ShapeDtypeStruct((B, T, H, D), dt, sharding=sh)
+    kv = jax.ShapeDtypeStruct((B, T, K, D), dt, sharding=sh)
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh)
+    nq = -(-T // case.block)
+    idx = jax.ShapeDtypeStruct((B, K, nq, case.max_blocks), jnp.int32, sharding=sh)
+    counts = jax.ShapeDtypeStruct((B, K, nq), jnp.int32, sharding=sh)
+    compiled = dict(implementation="pallas", interpret=False)
+    forwards = {
+        "flash": (lambda q, k, v, s: flash_attention(q, k, v, s, **compiled), (q, kv, kv, ids)),
+        "block_sparse": (lambda q, k, v, i, c, s: block_sparse_attention(q, k, v, i, c, s, case.block, **compiled),
+                         (q, kv, kv, idx, counts, ids)),
+        "ring_chunk": (lambda q, k, v, sq, pq, sk, pk: attention_chunk(q, k, v, sq, pq, sk, pk, **compiled),
+                       (q, kv, kv, ids, ids, ids, ids)),
+    }
+    out = []
+    for kernel in kernels:
+        fn, args = forwards[kernel]
+        for direction in directions:
+            out.append(Program(kernel, direction, case, fn if direction == "fwd" else _with_vjp(fn, 3), args))
+    return out
+
+
+# What a compiled Pallas kernel becomes in the lowered module, per platform.
+KERNEL_CALLS = {"tpu": "tpu_custom_call", "gpu": "__gpu$xla.gpu.triton"}
+
+
+@dataclasses.dataclass
+class Compiled:
+    lower_s: float
+    compile_s: float  # lowering included
+    lowered_text: str  # StableHLO: the kernels appear as KERNEL_CALLS[platform] custom calls
+    compiled: object
+
+    def kernel_calls(self, platform: str) -> int:
+        return self.lowered_text.count(KERNEL_CALLS[platform])
+
+
+def compile_program(fn: Callable, args: tuple, platform: str) -> Compiled:
+    """Lowers `fn` for `platform` and compiles it (raises what the compiler raises)."""
+    t0 = time.perf_counter()
+    with compile_platform(platform):
+        lowered = jax.jit(fn).lower(*args)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    return Compiled(t1 - t0, time.perf_counter() - t0, lowered.as_text(), compiled)

@@ -1,0 +1,166 @@
+"""The real TPU and GPU compilers on this CPU-only host: libtpu for a TPU v5p slice (compile-only
+devices) and XLA's GPU compiler with Triton for an H100 node (deviceless, from a target
+description). Nothing runs; the compilers must accept every program.
+
+* every kernel (flash, block-sparse, the ring's chunk op), forward + backward, compiles for both
+  targets through its compiled-Pallas path (Mosaic custom calls on TPU, Triton on GPU), although
+  the host's own backend is a CPU;
+* the default run's train step compiles for tpu-v5p:2x2x2 and gpu-h100:8 (planned for the target
+  with its data-sheet cost preset), fits, and its memory per device is what the planner predicted
+  within the tolerance table's `planner_memory`;
+* `python -m jaxsb.compile` prints its table and exits 0, and exits 1 naming the program and the
+  numbers when a program does not fit.
+
+Needs .venv-targets (`bash scripts/setup.sh --targets`); skipped elsewhere. `.ci/run` runs it
+there. The full kernel matrix (targets x dtypes x head dims x lengths) is scripts/compile_kernels.py.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tolerances import tol
+
+HAVE_COMPILERS = all(importlib.util.find_spec(m) is not None for m in ("libtpu", "jax_plugins.xla_cuda12"))
+pytestmark = [pytest.mark.targets, pytest.mark.skipif(
+    not HAVE_COMPILERS, reason="the TPU / GPU compilers are in .venv-targets (bash scripts/setup.sh --targets)")]
+
+TARGETS = {"tpu": "tpu-v5p:2x2x2", "gpu": "gpu-h100:8"}
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+@pytest.fixture(scope="module")
+def devices():
+    from jaxsb.targets import parse_target, target_devices
+
+    return {p: target_devices(parse_target(t)) for p, t in TARGETS.items()}
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+@pytest.mark.parametrize("kernel", ["flash", "block_sparse", "ring_chunk"])
+def test_kernel_compiles_forward_and_backward(devices, platform, kernel):
+    import jax
+
+    from kernels_pallas.aot import Case, compile_program, kernel_programs
+
+    assert jax.default_backend() == "cpu"  # the host compiles for a platform it does not have
+    case = Case(T=512, D=128, H=8, K=2, dtype="bfloat16")
+    (program,) = kernel_programs(case, devices[platform][0], kernels=(kernel,), directions=("fwd+bwd",))
+    compiled = compile_program(program.fn, program.args, platform)
+    # forward and backward kernels (flash / block-sparse: fwd, dq, dkv) as real kernel calls
+    assert compiled.kernel_calls(platform) >= 3, compiled.lowered_text[:2000]
+    assert compiled.compiled.memory_analysis() is not None
+
+
+@pytest.mark.parametrize("platform", sorted(TARGETS))
+def test_float32_head_dim_64_compiles(devices, platform):
+    from kernels_pallas.aot import Case, compile_program, kernel_programs
+
+    case = Case(T=256, D=64, H=4, K=4, dtype="float32")
+    (program,) = kernel_programs(case, devices[platform][0], kernels=("flash",), directions=("fwd+bwd",))
+    assert compile_program(program.fn, program.args, platform).kernel_calls(platform) >= 3
+
+
+def test_kernels_follow_the_target_not_the_host(devices):
+    """Without the target named, compiled Pallas on this CPU host is refused; with it, the
+    same call lowers to the target's kernels."""
+    import jax
+
+    from kernels_pallas import compile_platform, flash_attention
+
+    from jax.sharding import SingleDeviceSharding
+
+    q = jax.ShapeDtypeStruct((1, 256, 2, 64), np.float32, sharding=SingleDeviceSharding(devices["tpu"][0]))
+    fn = jax.jit(lambda q: flash_attention(q, q, q, implementation="pallas", interpret=False))
+    with pytest.raises(ValueError, match="compiled Pallas needs a target platform"):
+        fn.lower(q)
+    with compile_platform("tpu"):
+        text = fn.lower(q).as_text()
+    assert "tpu_custom_call" in text
+
+
+def _default_cfg(tmp_path, session_bpe, *overrides):
+    from jaxsb.config import load_config
+
+    cfg = load_config("default", [f"train.workdir={tmp_path}", *overrides])
+    return session_bpe.seed(cfg)
+
+
+@pytest.mark.parametrize("target", sorted(TARGETS.values()))
+def test_default_train_step_compiles_and_fits(tmp_path, session_bpe, target):
+    from jaxsb.compile import compile_for_target
+    from jaxsb.targets import parse_target
+
+    cfg = _default_cfg(tmp_path, session_bpe)
+    reports = compile_for_target(cfg, parse_target(target), steps=2, log=lambda _m: None)
+    assert reports
+    for r in reports:
+        assert r.error is None, r.error
+        assert r.fits and 0 < r.peak_mb < r.limit_mb < r.hbm_mb
+        assert r.memory["alias_bytes"] > 0  # the state is donated
+        np.testing.assert_allclose(r.predicted_mb, r.peak_mb, err_msg=f"{target} {r.name} {r.template}",
+                                   **tol("planner_memory", "float32"))
+
+
+def _compile_cli(tmp_path, *args):
+    return subprocess.run([sys.executable, "-m", "jaxsb.compile", "--workdir", str(tmp_path), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=900)
+
+
+def test_compile_cli_prints_the_table(tmp_path, session_bpe):
+    """The README's command (tiny settings: the sparse model, its block-sparse kernels)."""
+    _default_cfg(tmp_path, session_bpe)  # the session's BPE in the workdir
+    out = tmp_path / "reports.json"
+    proc = _compile_cli(tmp_path, "--target", "tpu-v5e:2x2", "--steps", "1", "--json", str(out),
+                        "--set", "model.attention=sparse", "--set", "data.tokens_per_step=2048")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "compiler MB" in proc.stdout and "planner MB" in proc.stdout
+    assert "tpu-v5e:2x2: 1 programs, 1 fit" in proc.stdout
+    (report,) = json.loads(out.read_text())["tpu-v5e:2x2"]
+    assert report["fits"] and report["error"] is None
+
+
+HUGE = ["--set", "tokenizer.kind=bytes", "--set", "model.layers=1", "--set", "model.hidden=16384",
+        "--set", "model.heads=128", "--set", "model.kv_heads=128", "--set", "model.head_dim=128",
+        "--set", "model.ffn=65536", "--set", "data.max_len=256", "--set", "data.tokens_per_step=512"]
+
+
+def test_compile_cli_fails_when_a_program_does_not_fit(tmp_path):
+    """A 4B-parameter layer on 4 v5e chips (16 GB each): model states alone are ~17 GB a chip.
+    Packed rows (no planner): the compiler's own memory analysis says it does not fit."""
+    proc = _compile_cli(tmp_path, "--target", "tpu-v5e:2x2", "--steps", "1", *HUGE, "--set", "parallel.planner=none")
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "DOES NOT FIT" in proc.stdout
+    assert "error: tpu-v5e:2x2 rows 1" in proc.stderr and "MB per device, over the" in proc.stderr
+
+
+def test_compile_cli_fails_when_the_planner_finds_no_layout(tmp_path):
+    """The same model planned: the planner's memory model refuses it before any compile."""
+    proc = _compile_cli(tmp_path, "--target", "tpu-v5e:2x2", "--steps", "1", *HUGE)
+    assert proc.returncode == 1, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "error: tpu-v5e:2x2 step 1 (no plan) cannot be planned" in proc.stderr
+    assert "does not fit in memory" in proc.stderr
+
+
+def test_auto_preset_recognises_the_target_devices(devices):
+    """parallel.preset=auto maps jax's device_kind of the compiled-for devices to their chip."""
+    from jaxsb.training.planning import resolve_preset
+
+    assert resolve_preset("auto", devices["tpu"][0].device_kind) == "tpu-v5p"
+    assert resolve_preset("auto", devices["gpu"][0].device_kind) == "gpu-h100"
+
+
+def test_compile_kernels_script_prints_the_table():
+    """scripts/compile_kernels.py, as the kernel READMEs show it, with tiny settings."""
+    proc = subprocess.run([sys.executable, "scripts/compile_kernels.py", "--targets", "tpu-v5e:2x2,gpu-a100:8",
+                           "--lengths", "256", "--head-dims", "64", "--dtypes", "bfloat16", "--kernels",
+                           "block_sparse", "--directions", "fwd"], cwd=REPO, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    rows = [ln for ln in proc.stdout.splitlines() if ln.startswith("| block_sparse | fwd |")]
+    assert len(rows) == 2 and all("FAILED" not in r for r in rows), proc.stdout
+    assert "2 programs, 0 failed" in proc.stdout
