@@ -23,7 +23,6 @@ import dataclasses
 import json
 import os
 import sys
-import time
 
 from jaxsb.cli import base_parser, parse_config
 
@@ -35,8 +34,7 @@ class ProgramReport:
     name: str  # "plan 1", "rows 8x1024"
     template: str  # groups per micro-batch (planned) or the batch shape (rows)
     steps: list[int]  # the drawn steps that run it
-    compile_s: float = 0.0
-    lower_s: float = 0.0
+    compile_s: float = 0.0  # lowering included
     memory: dict = dataclasses.field(default_factory=dict)  # the compiler's analysis, bytes
     predicted_mb: float | None = None  # the planner's cost model
     limit_mb: float = 0.0  # what a program may use on one device (the preset's memory limit)
@@ -81,17 +79,16 @@ def _short_error(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0][:300] if lines else ''}"
 
 
-def _compile(report: ProgramReport, platform: str, make_jitted, *args) -> None:
-    """Lowers and compiles for the target's platform, filling the report (errors included)."""
+def _compile(report: ProgramReport, platform: str, compiler, *args) -> None:
+    """`compiler.get(*args)` — the trainer's own compile cache (training/steps.py), so this is
+    the very program training would run — for the target's platform; fills the report."""
     from kernels_pallas import compile_platform
 
     try:
-        t0 = time.perf_counter()
+        c0 = compiler.compile_seconds
         with compile_platform(platform):
-            lowered = make_jitted().lower(*args)
-        t1 = time.perf_counter()
-        compiled = lowered.compile()
-        report.lower_s, report.compile_s = t1 - t0, time.perf_counter() - t0
+            compiled, _ = compiler.get(*args)
+        report.compile_s = compiler.compile_seconds - c0
         report.memory = _memory(compiled)
     except Exception as e:  # a program the target's compiler refuses: reported, the others go on
         report.error = _short_error(e)
@@ -121,16 +118,15 @@ def compile_for_target(cfg, target, steps: int = 3, log=print) -> list[ProgramRe
     log(f"jaxsb.compile: {target.name} ({n} x {devices[0].device_kind}, HBM {target.chip.hbm_gb:g} GB each), "
         f"{n_params / 1e6:.2f}M parameters, model.attention={model_cfg.attention}, "
         f"parallel.planner={cfg.parallel.planner}, {steps} drawn steps")
-    jit_step = lambda fn: jax.jit(fn, donate_argnums=(0,), out_shardings=(shardings, None))  # noqa: E731
     reports: list[ProgramReport] = []
 
-    from jaxsb.training.planning import load_cost_model, resolve_preset
-
-    preset = resolve_preset(cfg.parallel.preset, devices[0].device_kind)
     if cfg.parallel.planner == "none":
+        from jaxsb.training.planning import load_cost_model, resolve_preset
         from jaxsb.training.step import make_train_step
-        from jaxsb.training.steps import BATCH_FIELDS
+        from jaxsb.training.steps import BATCH_FIELDS, StepCompiler
 
+        preset = resolve_preset(cfg.parallel.preset, devices[0].device_kind)
+        compiler = StepCompiler(make_train_step(graphdef, rest, tx), shardings)
         data = DataIterator(cfg.data, tokenizer, n * cfg.data.rows_per_device)
         cost = load_cost_model(preset, n, cfg.data.max_len, model_cfg, cfg.parallel.fsdp)
         limit_mb = cost.memory_limit_mb
@@ -147,10 +143,10 @@ def compile_for_target(cfg, target, steps: int = 3, log=print) -> list[ProgramRe
             report = ProgramReport(f"rows {len(by_shape) + 1}", f"{shape[0]} rows x {shape[1]} tokens", [s],
                                    predicted_mb=predicted, limit_mb=limit_mb, hbm_mb=hbm_mb)
             by_shape[shape] = report
-            structs = {f: jax.ShapeDtypeStruct(np.asarray(getattr(batch, f)).shape,
-                                               np.asarray(getattr(batch, f)).dtype, sharding=batch_sharding(mesh))
-                       for f in BATCH_FIELDS}
-            _compile(report, target.platform, lambda: jit_step(make_train_step(graphdef, rest, tx)), state, structs)
+            arrays = {f: np.asarray(getattr(batch, f)) for f in BATCH_FIELDS}
+            sharding = batch_sharding(mesh)
+            structs = {f: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for f, a in arrays.items()}
+            _compile(report, target.platform, compiler, state, structs)
             log(report.row())
             reports.append(report)
         return reports
@@ -158,8 +154,9 @@ def compile_for_target(cfg, target, steps: int = 3, log=print) -> list[ProgramRe
     from jaxsb.parallel.executor import microbatch_sharding, plan_host_buffers
     from jaxsb.plan import PlanError
     from jaxsb.training.planning import ProgramBudget, StepPlanner
-    from jaxsb.training.step import make_planned_train_step
+    from jaxsb.training.steps import PlanCompiler
 
+    compiler = PlanCompiler(graphdef, rest, tx, model_cfg, mesh, shardings)
     data = DataIterator(cfg.data, tokenizer, None)
     planner = StepPlanner(cfg, model_cfg, n, devices[0].device_kind)
     log(f"cost model {planner.cost.name} (parallel.preset={cfg.parallel.preset} -> {planner.preset})")
@@ -185,15 +182,12 @@ def compile_for_target(cfg, target, steps: int = 3, log=print) -> list[ProgramRe
             report.steps.append(s)
             report.predicted_mb = max(report.predicted_mb, predicted)
             continue
-        template = plan.template
         report = ProgramReport(f"plan {len(by_template) + 1}", plan.summary(), [s], predicted_mb=predicted,
                                limit_mb=limit_mb, hbm_mb=hbm_mb)
-        by_template[template] = report
+        by_template[plan.template] = report
         mb_structs = [{f: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=mb_sharding) for f, a in host.items()}
                       for host in plan_host_buffers(plan, planned.seqs, model_cfg)]
-        _compile(report, target.platform,
-                 lambda: jit_step(make_planned_train_step(graphdef, rest, tx, model_cfg, mesh, template)),
-                 state, mb_structs, num_targets)
+        _compile(report, target.platform, compiler, plan.template, state, mb_structs, num_targets)
         log(report.row())
         reports.append(report)
     return reports

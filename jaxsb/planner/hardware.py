@@ -67,6 +67,15 @@ def _ici(gbps_per_chip: float) -> float:
     return gbps_per_chip / 8 / 2
 
 
+_H100 = Chip(
+    "gpu-h100", "gpu", bf16_tflops=989, f32_tflops=67, hbm_gb=80, hbm_gbs=3350,
+    intra_gbs=450, inter_gbs=50, devices_per_node=8, device_kinds=("NVIDIA H100 80GB HBM3",),
+    source="NVIDIA H100 Tensor Core GPU datasheet, SXM5 (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, "
+           "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s "
+           "ConnectX-7 InfiniBand NIC per GPU",
+    gpu=dict(sms=132, cc=(9, 0), smem_per_sm=233472, smem_optin=232448, l2=50 * 2**20, clock_ghz=1.98,
+             fp32_per_sm=128, memory_bytes=85899345920, description="NVIDIA H100 80GB HBM3"))
+
 CHIPS: dict[str, Chip] = {c.name: c for c in (
     Chip("tpu-v5p", "tpu", bf16_tflops=459, f32_tflops=459 / 6, hbm_gb=95, hbm_gbs=2765,
          intra_gbs=_ici(4800), inter_gbs=_ici(4800), devices_per_node=0, device_kinds=("TPU v5", "TPU v5p"),
@@ -82,20 +91,14 @@ CHIPS: dict[str, Chip] = {c.name: c for c in (
          device_kinds=("TPU v6 lite", "TPU v6e"),
          source="cloud.google.com/tpu/docs/v6e (Trillium: 918 TFLOP/s bf16, 32 GB HBM at 1640 GB/s, "
                 "ICI 3584 Gbps per chip, 2D torus); f32 = bf16/6"),
-    Chip("gpu-h100", "gpu", bf16_tflops=989, f32_tflops=67, hbm_gb=80, hbm_gbs=3350,
-         intra_gbs=450, inter_gbs=50, devices_per_node=8, device_kinds=("NVIDIA H100 80GB HBM3",),
-         source="NVIDIA H100 Tensor Core GPU datasheet, SXM5 (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, "
-                "80 GB HBM3 at 3.35 TB/s, NVLink 900 GB/s both directions); DGX H100: one 400 Gb/s "
-                "ConnectX-7 InfiniBand NIC per GPU",
-         gpu=dict(sms=132, cc=(9, 0), smem_per_sm=233472, smem_optin=232448, l2=50 * 2**20, clock_ghz=1.98,
-                  fp32_per_sm=128, memory_bytes=85899345920, description="NVIDIA H100 80GB HBM3")),
-    Chip("gpu-h200", "gpu", bf16_tflops=989, f32_tflops=67, hbm_gb=141, hbm_gbs=4800,
-         intra_gbs=450, inter_gbs=50, devices_per_node=8, device_kinds=("NVIDIA H200",),
-         source="NVIDIA H200 Tensor Core GPU datasheet, SXM (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, "
-                "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s both directions); HGX H200: one 400 Gb/s "
-                "InfiniBand NIC per GPU. Same die as H100: only memory size and bandwidth differ",
-         gpu=dict(sms=132, cc=(9, 0), smem_per_sm=233472, smem_optin=232448, l2=50 * 2**20, clock_ghz=1.98,
-                  fp32_per_sm=128, memory_bytes=150754820096, description="NVIDIA H200")),
+    _H100,
+    # the same die as H100: only memory size and bandwidth differ
+    dataclasses.replace(
+        _H100, name="gpu-h200", hbm_gb=141, hbm_gbs=4800, device_kinds=("NVIDIA H200",),
+        source="NVIDIA H200 Tensor Core GPU datasheet, SXM (989 TFLOP/s dense bf16, 67 TFLOP/s fp32, "
+               "141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s both directions); HGX H200: one 400 Gb/s "
+               "InfiniBand NIC per GPU",
+        gpu=_H100.gpu | dict(memory_bytes=150754820096, description="NVIDIA H200")),
     Chip("gpu-a100", "gpu", bf16_tflops=312, f32_tflops=19.5, hbm_gb=80, hbm_gbs=2039,
          intra_gbs=300, inter_gbs=25, devices_per_node=8, device_kinds=("NVIDIA A100-SXM4-80GB",),
          source="NVIDIA A100 Tensor Core GPU datasheet, SXM4 80GB (312 TFLOP/s dense bf16, 19.5 TFLOP/s "
@@ -128,7 +131,9 @@ def _bytes(dtype: str) -> int:
 
 
 def matmul_params(m: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token: the layers' projections and the LM head."""
+    """Parameters that take part in a matmul per token: the layers' projections and the LM head
+    (embedding lookup excluded, the head counted whether tied or not). Also MFU's count
+    (jaxsb.training.metrics)."""
     attn = m.hidden * (m.heads + 2 * m.kv_heads) * m.head_dim + m.heads * m.head_dim * m.hidden
     return m.layers * (attn + 3 * m.hidden * m.ffn) + m.vocab_size * m.hidden
 

@@ -15,6 +15,7 @@ import time
 from typing import Any, Iterable
 
 from jaxsb.config import ModelConfig
+from jaxsb.planner.hardware import matmul_params  # noqa: F401  (one count for MFU and the cost models)
 
 # Dense peak FLOP/s per chip for bf16 matmul (vendor data sheets); CPUs are measured.
 _PEAK_FLOPS = {
@@ -27,14 +28,6 @@ _PEAK_FLOPS = {
     "TPU v5p": 459e12,
     "TPU v6 lite": 918e12,
 }
-
-
-def matmul_params(cfg: ModelConfig) -> int:
-    """Parameters that take part in a matmul per token (embedding lookup excluded, LM head
-    included whether tied or not)."""
-    e, h, k, d, f = cfg.hidden, cfg.heads, cfg.kv_heads, cfg.head_dim, cfg.ffn
-    per_layer = e * h * d + 2 * e * k * d + h * d * e + 3 * e * f
-    return cfg.layers * per_layer + e * cfg.vocab_size
 
 
 def useful_train_flops(cfg: ModelConfig, doc_lengths: Iterable[int], sparse_blocks: float | None = None) -> float:
