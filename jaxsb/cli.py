@@ -35,7 +35,7 @@ def init_devices(parallel=None) -> None:
     ParallelConfig with a coordinator, joins the other processes (before any device is used)."""
     setup_host_devices()
     if parallel is not None:
-        init_distributed(parallel.coordinator, parallel.num_processes, parallel.process_id)
+        init_distributed(parallel.coordinator, parallel.num_processes, parallel.process_id, parallel.peer_timeout_s)
 
 
 def load_model(args: argparse.Namespace):

@@ -296,6 +296,9 @@ class ParallelConfig:
     coordinator: str = ""
     num_processes: int = 1
     process_id: int = 0
+    # A peer process silent this long (killed, hung, its host gone) stops the run
+    # (jaxsb/training/faults.py); JAX's own heartbeat timeout is set above it
+    peer_timeout_s: float = 60.0
 
     def validate(self, prefix: str = "parallel") -> None:
         _check(self.devices >= 0, f"{prefix}.devices", "must be >= 0 (0 = all)")
@@ -306,6 +309,8 @@ class ParallelConfig:
                f"must be >= 2 (one slot is kept for the fallback plan), got {self.max_programs}")
         _check(self.plan_time_limit_s > 0, f"{prefix}.plan_time_limit_s", "must be > 0")
         _one_of(self.budgets, ("fixed", "dst"), f"{prefix}.budgets")
+        _check(self.peer_timeout_s >= 2, f"{prefix}.peer_timeout_s",
+               f"must be >= 2 seconds (peers beat once a second), got {self.peer_timeout_s}")
         _check(self.budgets == "fixed" or self.planner == "jaxsb", f"{prefix}.budgets",
                f"budgets=dst is chosen by the jaxsb planner, got parallel.planner={self.planner!r}")
         self._validate_processes(prefix)

@@ -9,24 +9,22 @@ process per host; `init_distributed` joins them through `jax.distributed.initial
 any device is used, after which `jax.devices()` lists the devices of every process and each
 jitted step is one SPMD program over all of them. Every process runs the same host code on
 the same data; what must be decided once (the workdir, the tokenizer, a time-limited plan) is
-decided by process 0 and shared through the coordinator's key-value store (`share_from_main`),
-so no process waits on a device collective for host data.
+decided by process 0 and shared through the coordinator's key-value store (this file's
+`_publish` / `_fetch` carry the bytes; jaxsb/wire.py's `share_from_main` decides what they
+hold: JSON with a declared schema, checked on receipt, never code), so no process waits on a
+device collective for host data.
 """
 
 from __future__ import annotations
 
 import os
-import pickle
 import sys
-from typing import Callable, TypeVar
 
 DEFAULT_HOST_DEVICES = 8
 _FLAG = "--xla_force_host_platform_device_count"
 # How long a process waits for process 0's share of host data (planning included).
 SHARE_TIMEOUT_S = 600
 _CHUNK = 1 << 20  # key-value store values are split into chunks of this many bytes
-
-T = TypeVar("T")
 
 
 def _has_accelerator() -> bool:
@@ -47,22 +45,26 @@ def setup_host_devices(count: int = DEFAULT_HOST_DEVICES) -> None:
     os.environ["XLA_FLAGS"] = f"{flags} {_FLAG}={count}".strip()
 
 
-def init_distributed(coordinator: str, num_processes: int = 1, process_id: int = 0) -> None:
+def init_distributed(coordinator: str, num_processes: int = 1, process_id: int = 0,
+                     peer_timeout_s: float = 60.0) -> None:
     """Joins a multi-process run (parallel.coordinator); a no-op for a single process.
 
     `coordinator`: "" (one process), "auto" (TPU pod slices, SLURM, Open MPI: the cluster's
     environment names the coordinator and this process) or "host:port" of process 0, with
-    `num_processes` and this process's `process_id`. Must run before any device is used."""
+    `num_processes` and this process's `process_id`. Must run before any device is used.
+    JAX's own heartbeat (which aborts a process whose peer is gone) waits well past
+    `peer_timeout_s`, so that jaxsb's watchdog (training/faults.py) speaks first."""
     if not coordinator:
         return
     import jax
 
     # CPU processes exchange collectives through gloo (the setting is ignored on GPU / TPU).
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    heartbeat = {"heartbeat_timeout_seconds": int(max(100, 3 * peer_timeout_s))}
     if coordinator == "auto":
-        jax.distributed.initialize()
+        jax.distributed.initialize(**heartbeat)
     else:
-        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id)
+        jax.distributed.initialize(coordinator, num_processes=num_processes, process_id=process_id, **heartbeat)
 
 
 def process_index() -> int:
@@ -101,41 +103,6 @@ def _fetch(client, key: str, timeout_s: float) -> bytes:
         raise TimeoutError(f"process {process_index()} waited {timeout_s:g} s for process 0 to share "
                            f"{key!r}: {e}") from e
     return b"".join(client.blocking_key_value_get_bytes(f"{key}/{i}", ms) for i in range(n))
-
-
-def share_from_main(key: str, make: Callable[[], T], timeout_s: float = SHARE_TIMEOUT_S) -> T:
-    """`make()` run on process 0 only; every process returns its (pickled) result, or raises
-    process 0's exception. `key` must be unique within the run. One process: `make()`."""
-    client = _client()
-    if client is None:
-        return make()
-    if is_main_process():
-        try:
-            value = make()
-        except Exception as e:
-            _publish(client, key, _pickle_error(e))
-            raise
-        _publish(client, key, pickle.dumps(("ok", value)))
-        return value
-    status, value = pickle.loads(_fetch(client, key, timeout_s))
-    if status == "error":
-        raise value
-    return value
-
-
-def forget(key: str) -> None:
-    """Frees a `share_from_main` value once every process has read it (process 0 deletes)."""
-    client = _client()
-    if client is not None and is_main_process():
-        client.key_value_delete(key)  # deletes the key and everything under "key/"
-
-
-def _pickle_error(e: Exception) -> bytes:
-    try:
-        err = type(e)(f"on process 0: {e}")
-        return pickle.dumps(("error", err))
-    except Exception:  # noqa: BLE001 - an exception type that cannot be rebuilt or pickled
-        return pickle.dumps(("error", RuntimeError(f"on process 0: {type(e).__name__}: {e}")))
 
 
 def global_array(host, sharding):

@@ -1,5 +1,9 @@
 """`python -m jaxsb.train`: parse the config, set up devices (and join the other processes of a
-multi-process run), train, print the summary."""
+multi-process run), train, print the summary.
+
+Exit status: 0 done, or stopped by SIGTERM / SIGINT with a checkpoint; 1 the run stopped on a
+fault (a checkpoint write failed twice, hosts disagreed on a step, a malformed message);
+2 bad configuration or input; 3 a peer process was lost (training/faults.py)."""
 
 from __future__ import annotations
 
@@ -16,13 +20,19 @@ def main(argv: list[str] | None = None) -> int:
     from jaxsb.data import DataError
     from jaxsb.devices import is_main_process
     from jaxsb.models.pretrained import GGUFError, HFCheckpointError
+    from jaxsb.training.checkpoint import CheckpointError
+    from jaxsb.training.faults import HostsDisagree
     from jaxsb.training.trainer import train
+    from jaxsb.wire import WireError
 
     try:
         result = train(cfg)
     except (ConfigError, DataError, HFCheckpointError, GGUFError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except (CheckpointError, HostsDisagree, WireError) as e:  # the run stops; what is on disk is whole
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     if not is_main_process():
         return 0  # process 0 reports for the whole run
     steps = result.last_step - result.first_step

@@ -86,12 +86,27 @@ class MetricsWriter:
     def __init__(self, path: str, resume_from_step: int = 0):
         self.path = path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        self.dropped_partial = 0  # a last line cut short by a killed process (the step runs again)
         if os.path.exists(path):
             # Drop records past the checkpoint we resume from: those steps run again.
             with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line).get("step", 0) <= resume_from_step]
-            with open(path, "w") as f:
+                lines = [line for line in f if line.strip()]
+            kept = []
+            for i, line in enumerate(lines):
+                try:
+                    record = json.loads(line)
+                except json.JSONDecodeError as e:
+                    if i == len(lines) - 1 and not line.endswith("\n"):
+                        self.dropped_partial = 1  # written in part when the process died
+                        continue
+                    raise ValueError(f"{path}:{i + 1}: not a JSON record ({e}); this file holds one "
+                                     "JSON object per line") from None
+                if record.get("step", 0) <= resume_from_step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            tmp = f"{path}.tmp"
+            with open(tmp, "w") as f:
                 f.writelines(kept)
+            os.replace(tmp, path)  # a kill while rewriting leaves the old file, not half of it
         self._file = open(path, "a")
 
     def write(self, record: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from flax import nnx
 from jaxsb import mesh as mesh_lib
 from jaxsb.config import Config, ConfigError, ModelConfig
 from jaxsb.data import Tokenizer, build_tokenizer
-from jaxsb.devices import share_from_main
+from jaxsb.wire import share_from_main
 from jaxsb.models import Llama
 from jaxsb.training.optim import make_optimizer
 
@@ -31,7 +31,8 @@ def load_model_and_tokenizer(cfg: Config, workdir: str | None):
         model_cfg.validate()
         return model_cfg, tokenizer, pre.params
     # Process 0 trains (or reloads) the BPE; the others get the very same one.
-    tokenizer = share_from_main("jaxsb/tokenizer", lambda: build_tokenizer(cfg.tokenizer, cfg.data, workdir))
+    tokenizer = share_from_main("jaxsb/tokenizer", "tokenizer",
+                                lambda: build_tokenizer(cfg.tokenizer, cfg.data, workdir))
     vocab = cfg.model.vocab_size or tokenizer.vocab_size
     if vocab < tokenizer.vocab_size:
         raise ConfigError(f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size}")

@@ -5,6 +5,8 @@ step t runs), each with its compile cache (one program per batch shape / per pla
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import time
 from typing import Any
 
@@ -15,11 +17,12 @@ from jax.sharding import Mesh
 
 from jaxsb import mesh as mesh_lib
 from jaxsb.config import Config, ModelConfig
-from jaxsb.data import Batch, DataError, DataIterator, StepPieces
-from jaxsb.devices import forget, global_array, process_index, share_from_main
+from jaxsb.data import Batch, DataIterator, StepPieces
+from jaxsb.devices import global_array, process_index
 from jaxsb.plan import Template
 from jaxsb.programs import ProgramCache
 from jaxsb.training.step import make_planned_train_step, make_train_step
+from jaxsb.wire import forget, share_from_main
 
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -69,6 +72,33 @@ class PreparedStep:
     record: dict  # the layout's metrics (rows and padding, or the plan's summary, solve time, ...)
 
 
+@dataclasses.dataclass
+class DrawnStep:
+    """One step's host data before anything of it runs. `digest` fingerprints what the step
+    will run (its tokens, and its plan): every process must hold the same (faults.StepAgreement)."""
+
+    digest: str
+    data: Any  # RowSteps: the Batch; PlannedSteps: (PlannedStep, admitted Plan, plan wait seconds)
+    data_state: dict  # the data iterator's state right after this step was drawn
+
+
+def _sha(*parts: bytes) -> str:
+    h = hashlib.sha256()
+    for part in parts:
+        h.update(part)
+    return h.hexdigest()[:16]
+
+
+def batch_digest(batch: Batch) -> str:
+    return "data " + _sha(*(np.ascontiguousarray(getattr(batch, name)).tobytes() for name in BATCH_FIELDS))
+
+
+def plan_digest(plan) -> str:
+    from jaxsb.wire import plan_to_json
+
+    return _sha(json.dumps(plan_to_json(plan), sort_keys=True).encode())
+
+
 class RowSteps:
     """parallel.planner=none: packed rows split over the devices (plain data parallelism)."""
 
@@ -77,15 +107,19 @@ class RowSteps:
         self.sharding = mesh_lib.batch_sharding(mesh)
         self.compiler = StepCompiler(make_train_step(graphdef, rest, tx), state_shardings)
 
-    def prepare(self, state, more: bool = True) -> PreparedStep:
+    def draw(self, more: bool = True) -> DrawnStep:
         batch = self.data.next()
+        return DrawnStep(batch_digest(batch), batch, self.data.state())
+
+    def build(self, drawn: DrawnStep, state) -> PreparedStep:
+        batch = drawn.data
         arrays = batch_to_device(batch, self.sharding)
         c0 = self.compiler.compile_seconds
         compiled, is_new = self.compiler.get(state, arrays)
         record = {"rows": int(batch.tokens.shape[0]), "row_len": int(batch.tokens.shape[1]),
                   "padding_frac": 1.0 - batch.num_tokens / batch.tokens.size}
         return PreparedStep(batch.doc_lengths, compiled, (arrays,), is_new, self.compiler.compile_seconds - c0,
-                            self.data.state(), record)
+                            drawn.data_state, record)
 
     def close(self) -> None:
         pass
@@ -121,43 +155,50 @@ class PlannedSteps:
         return planned
 
     def _shared_plan(self, step: StepPieces, n: int):
+        """Process 0's plan of this launch's n-th step. A process that drew other data than
+        process 0 keeps its own pieces: the step's digests then differ, and every process
+        stops before the step runs (faults.StepAgreement)."""
         from jaxsb.training.planning import PlannedStep, step_sequences
 
-        digest, mine = step.digest(), {}
+        mine = {}
 
         def plan_on_main():
             mine["planned"] = self.planner.plan(step)
             p = mine["planned"]
-            return digest, p.plan, p.solve_s, p.info
+            return step.digest(), p.plan, p.solve_s, p.info
 
         key = f"jaxsb/plan/{n}"
-        main_digest, plan, solve_s, info = share_from_main(key, plan_on_main)
+        main_digest, plan, solve_s, info = share_from_main(key, "plan", plan_on_main)
         # Process 0 has the results of the launch's step n-3 by now: every process took part
         # in it, so every process has read plan n-3.
         if n > 3:
             forget(f"jaxsb/plan/{n - 3}")
-        if main_digest != digest:
-            raise DataError(f"process {process_index()} drew different data than process 0 for step "
-                            f"{n} of this launch: every process must read the same data (same files, same "
-                            "data.* and tokenizer settings)")
         if "planned" in mine:
             return mine["planned"]
+        if main_digest != step.digest():
+            self.log(f"process {process_index()}: step {n} of this launch: my data differ from process 0's")
         return PlannedStep(step, step_sequences(step), plan, solve_s, info)
 
-    def prepare(self, state, more: bool = True) -> PreparedStep:
+    def draw(self, more: bool = True) -> DrawnStep:
         """`more`: another step follows (so its plan is started in the background)."""
-        from jaxsb.parallel.executor import layout_plan
-        from jaxsb.training.planning import load_balance
-
         t0 = time.perf_counter()
         planned = self.pending.result() if self.pending is not None else self._draw_and_plan()
         wait_s = time.perf_counter() - t0
+        self.pending = None
         if self.pool is not None and more:  # plan the next step while this one runs
             self.pending = self.pool.submit(self._draw_and_plan)
         adm = self.budget.admit(planned.plan, self.planner.fallback)
         if adm.how == "over-bound":
             self.log(f"warning: plan {adm.plan.summary()} needs a program beyond parallel.max_programs="
                      f"{self.budget.max_programs}")
+        digest = f"data {planned.step.digest()[:16]} plan {plan_digest(adm.plan)}"
+        return DrawnStep(digest, (planned, adm, wait_s), planned.data_state)
+
+    def build(self, drawn: DrawnStep, state) -> PreparedStep:
+        from jaxsb.parallel.executor import layout_plan
+        from jaxsb.training.planning import load_balance
+
+        planned, adm, wait_s = drawn.data
         plan = adm.plan
         arrays = layout_plan(plan, planned.seqs, self.model_cfg, self.mesh)
         num_targets = jnp.asarray(float(planned.step.num_targets), jnp.float32)
@@ -178,7 +219,7 @@ class PlannedSteps:
             **planned.budget_record,
         }
         return PreparedStep(planned.step.doc_lengths, compiled, (arrays, num_targets), is_new,
-                            self.compiler.compile_seconds - c0, planned.data_state, record)
+                            self.compiler.compile_seconds - c0, drawn.data_state, record)
 
     def close(self) -> None:
         if self.pool is not None:

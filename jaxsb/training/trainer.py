@@ -1,5 +1,7 @@
 """The training loop: workdir, state (training/state.py), the step source (rows or planned,
-training/steps.py), asynchronous dispatch, metrics, checkpoints, resume.
+training/steps.py), asynchronous dispatch, metrics, checkpoints, resume, and the faults of
+training/faults.py (a stop request saves and exits; hosts agree on each step before it runs;
+a lost peer stops the run).
 
 State is a plain pytree `{"params", "opt_state", "step", "rng"}`; the NNX graph definition
 is static and closed over by the step function. The loss is the mean over every target token
@@ -18,15 +20,22 @@ import jax
 import numpy as np
 
 from jaxsb import mesh as mesh_lib
-from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
 from jaxsb.config import Config, ConfigError
 from jaxsb.data import DataIterator
-from jaxsb.devices import is_main_process, share_from_main
-from jaxsb.training.metrics import MetricsWriter, Progress, peak_flops_per_device, useful_train_flops
+from jaxsb.devices import is_main_process
+from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
+from jaxsb.training.faults import PeerWatchdog, StepAgreement, StopRequest
+from jaxsb.training.metrics import (
+    MetricsWriter,
+    Progress,
+    peak_flops_per_device,
+    useful_train_flops,
+)
 from jaxsb.training.optim import learning_rate_schedule
 from jaxsb.training.state import build_model_fns, load_model_and_tokenizer
 from jaxsb.training.steps import PlannedSteps, PreparedStep, RowSteps
-from jaxsb.training.workdir import prepare_workdir
+from jaxsb.training.workdir import check_room, prepare_workdir
+from jaxsb.wire import share_from_main
 
 
 @dataclasses.dataclass
@@ -39,6 +48,8 @@ class RunResult:
     seconds: float
     compiles: int
     data_summary: str
+    stopped: str | None = None  # why the run stopped before train.steps (e.g. "SIGTERM on process 0")
+    checkpoint: str | None = None  # the directory of the last checkpoint this launch saved
 
 
 # --------------------------------------------------------------------------- the loop
@@ -64,8 +75,24 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         raise ConfigError(f"parallel.devices={cfg.parallel.devices}: a run of {jax.process_count()} processes "
                           f"uses all {jax.device_count()} devices (set 0)")
     # Process 0 checks and writes the workdir (its default name has a timestamp); all use it.
-    workdir = share_from_main("jaxsb/workdir", lambda: prepare_workdir(cfg)[1])
+    workdir = share_from_main("jaxsb/workdir", "workdir", lambda: prepare_workdir(cfg)[1])
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=workdir))
+    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    # From here a lost peer stops this process with a line naming it (one process: no-op).
+    watchdog = PeerWatchdog(cfg.parallel.peer_timeout_s, lambda: (ckpt.directory, ckpt.last_saved)).start()
+    try:
+        with StopRequest() as stop:  # SIGTERM / SIGINT from here on: stop at a step boundary, saved
+            result = _train(cfg, workdir, ckpt, watchdog, stop, log, main)
+    except BaseException:
+        watchdog.stop(done=False)  # the others will see this process go silent, and stop
+        ckpt.close(quiet=True)  # orbax's threads finish before the interpreter does
+        raise
+    watchdog.stop(done=True)
+    return result
+
+
+def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog, stop: StopRequest, log,
+           main: bool) -> RunResult:
     mesh = mesh_lib.make_mesh(cfg.parallel.devices)
     num_devices = mesh.devices.size
     model_cfg, tokenizer, pretrained = load_model_and_tokenizer(cfg, workdir)
@@ -73,7 +100,9 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
     rows_path = cfg.parallel.planner == "none"
     num_rows = num_devices * cfg.data.rows_per_device if rows_path else None  # planned steps take pieces
     data = DataIterator(cfg.data, tokenizer, num_rows)
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    if main:  # found before training: an unwritable workdir, or no room for the checkpoints
+        check_room(workdir, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)),
+                   cfg.train.keep_checkpoints)
 
     start = 0
     latest = ckpt.latest_step()
@@ -149,31 +178,50 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
         tokens_total += tokens
         final_loss = record["loss"]
 
+    def save(step: int, data_state: dict) -> None:
+        nonlocal paused_s
+        jax.block_until_ready(state)  # the step's own compute is step time
+        t0 = time.perf_counter()
+        ckpt.save(step, state, {"data": data_state, "step": step}, log)
+        paused_s += time.perf_counter() - t0
+
+    agreement, stopped, last = StepAgreement(), None, None
     try:
         for step in range(start + 1, cfg.train.steps + 1):
+            drawn = steps.draw(more=step < cfg.train.steps)
+            # every process: the same step (digests), and whether any was asked to stop
+            stopped = agreement.check(step, drawn.digest, stop.reason)
+            if stopped:
+                break
             c0 = compiler.compile_seconds
-            prepared = steps.prepare(state, more=step < cfg.train.steps)
+            prepared = steps.build(drawn, state)
             paused_s += compiler.compile_seconds - c0
             state, metrics = prepared.compiled(state, *prepared.args)
             if pending is not None:
                 finish(pending)
-            pending = {"step": step, "metrics": metrics, "prepared": prepared}
+            pending = last = {"step": step, "metrics": metrics, "prepared": prepared}
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
-                jax.block_until_ready(state)  # the step's own compute is step time
-                t0 = time.perf_counter()
-                ckpt.save(step, state, {"data": prepared.data_state, "step": step})
-                ckpt.wait()
-                paused_s += time.perf_counter() - t0
+                save(step, prepared.data_state)
         if pending is not None:
             finish(pending)
+        if stopped and last is not None and ckpt.last_saved != last["step"]:
+            save(last["step"], last["prepared"].data_state)
+    except (jax.errors.JaxRuntimeError, TimeoutError):
+        watchdog.await_verdict()  # a failed collective may be a lost peer: the watchdog names it
+        raise
     finally:
         steps.close()
     progress.close()
     writer.close()
     ckpt.close()
     seconds = time.perf_counter() - t_start
-    result = RunResult(workdir, start, cfg.train.steps, final_loss, tokens_total, seconds,
-                       compiler.count, data.stats.summary())
+    last_step = last["step"] if stopped and last is not None else (start if stopped else cfg.train.steps)
+    result = RunResult(workdir, start, last_step, final_loss, tokens_total, seconds, compiler.count,
+                       data.stats.summary(), stopped, ckpt.directory if ckpt.last_saved is not None else None)
+    if stopped:
+        log(f"jaxsb: stopped ({stopped}) after step {last_step}: "
+            + (f"checkpoint of step {ckpt.last_saved} in {ckpt.directory}; the same command resumes from it"
+               if ckpt.last_saved is not None else "no step was run, nothing to save"))
     summary = dataclasses.asdict(result) | {"peak_flops_source": peak_source}
     if isinstance(steps, PlannedSteps):
         summary["plan_admissions"] = steps.budget.counts
