@@ -254,6 +254,8 @@ class TrainConfig:
     keep_checkpoints: int = 2
     workdir: str = ""  # default: runs/<config name>-<timestamp>
     progress: bool = True
+    tensorboard: bool = True  # TensorBoard event files of the metrics in <workdir>/tensorboard
+    report: bool = True  # the run's pictures (python -m jaxsb.report) drawn into the workdir at the end
 
     def validate(self, prefix: str = "train") -> None:
         _check(self.steps >= 1, f"{prefix}.steps", f"must be >= 1, got {self.steps}")

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> int:
           f"final loss {result.final_loss if result.final_loss is None else round(result.final_loss, 4)}")
     print(f"compiled programs: {result.compiles}")
     print(result.data_summary)
-    print(f"outputs: {result.workdir}/ (metrics.jsonl, checkpoints/, config.json, summary.json)")
+    files = ["metrics.jsonl", *(["tensorboard/"] if cfg.train.tensorboard else []),
+             *(["pictures *.png"] if cfg.train.report else []), "checkpoints/", "config.json", "summary.json"]
+    print(f"outputs: {result.workdir}/ ({', '.join(files)})")
     return 0
 
 

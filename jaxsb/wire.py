@@ -26,7 +26,7 @@ from jaxsb import devices
 
 T = TypeVar("T")
 
-VERSIONS = {"workdir": 1, "tokenizer": 1, "plan": 1, "error": 1, "step": 1}
+VERSIONS = {"workdir": 1, "tokenizer": 1, "plan": 2, "error": 1, "step": 1}
 
 
 class WireError(ValueError):
@@ -176,9 +176,10 @@ def plan_from_json(r: _Reader):
 
 
 def _plan_out(value) -> dict:
-    """(data digest, Plan, solve seconds, SolveInfo) of one step, planned by process 0."""
-    digest, plan, solve_s, info = value
-    return {"digest": digest, "plan": plan_to_json(plan), "solve_s": float(solve_s),
+    """(Plan, solve seconds, SolveInfo) of one step, planned by process 0 (version 2: the data
+    digest left the message; every process's digests are compared per step, faults.py)."""
+    plan, solve_s, info = value
+    return {"plan": plan_to_json(plan), "solve_s": float(solve_s),
             "info": {"solve_seconds": float(info.solve_seconds), "message": info.message,
                      "fell_back": bool(info.fell_back), "lower_bound_ms": _finite_or_nan(info.lower_bound_ms),
                      "details": _plain(dict(info.details), "details")}}
@@ -190,7 +191,7 @@ def _plan_in(r: _Reader):
     i = r.obj("info")
     info = SolveInfo(float(i.get("solve_seconds", int, float)), i.get("message", str), i.get("fell_back", bool),
                      i.get("lower_bound_ms", int, float, optional=True), i.get("details", dict))
-    return r.get("digest", str), plan_from_json(r.obj("plan")), float(r.get("solve_s", int, float)), info
+    return plan_from_json(r.obj("plan")), float(r.get("solve_s", int, float)), info
 
 
 # Errors process 0 hits while deciding for everyone are raised again on the others as the

@@ -29,6 +29,8 @@ TOLERANCES: dict[tuple[str, str], tuple[float, float]] = {
     ("planner_loss", "float32"): (1e-4, 0.0),
     # resumed vs uninterrupted training, same device count: identical programs
     ("resume_loss", "float32"): (1e-6, 0.0),
+    # a metrics.jsonl number stored as TensorBoard's float32 simple_value: rounding only (2^-24)
+    ("tensorboard_scalar", "float32"): (1e-7, 0.0),
     # log-sum-exp of an attention chunk (always float32 arithmetic, whatever the input dtype)
     ("attention_lse", "float32"): (2e-5, 2e-5),
     # the planner's predicted memory per device vs the compiler's memory analysis of the same

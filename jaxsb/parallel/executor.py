@@ -203,19 +203,3 @@ def layout_plan(plan: Plan, seqs: Sequence[SeqData], model_cfg: ModelConfig, mes
 
     sharding = microbatch_sharding(mesh)
     return [{f: global_array(host[f], sharding) for f in FIELDS} for host in plan_host_buffers(plan, seqs, model_cfg)]
-
-
-def device_loads(plan: Plan, cost_fn: Callable[[Any, list[int], list], float]) -> np.ndarray:
-    """Modelled busy time per device over the step: each device is busy for its group's time in
-    every micro-batch. `cost_fn(group, sharded_lengths, local_lengths_by_rank) -> ms`."""
-    t = plan.template
-    loads = np.zeros(t.num_devices)
-    for m, mb in enumerate(t.microbatches):
-        for g, group in enumerate(mb.groups):
-            sharded, local = plan.sequences_of(m, g)
-            if not sharded and not local:
-                continue
-            ms = cost_fn(group, [plan.lengths[i] for i in sharded],
-                         [[plan.lengths[i] for i in local.get(r, [])] for r in range(group.degree)])
-            loads[group.start:group.start + group.degree] += ms
-    return loads

@@ -3,8 +3,8 @@ and a JSON record (data iterator position, data counters) saved together, every 
 at the end. Restoring reuses the abstract, sharded state so arrays land where they belong.
 
 A checkpoint is written into a temporary directory and committed by a rename, so a write cut
-short (a killed process, a full disk) leaves no half checkpoint under a step's name; the
-temporary directories are removed when the next run starts. Older checkpoints are removed
+short (a killed process, a full disk) leaves no half checkpoint under a step's name; its
+temporary directory is removed when the next run starts (`removed_leftovers`). Older checkpoints are removed
 only after a new one is committed. A failed write is retried once (after discarding what it
 left); a second failure stops the run with a `CheckpointError` naming the path and the OS
 error, the previous checkpoint intact.
@@ -31,14 +31,23 @@ class Checkpointer:
     def __init__(self, directory: str, keep: int = 2):
         self.directory = os.path.abspath(directory)
         self.keep = keep
+        self.removed_leftovers = self._remove_leftovers()
         self._manager = self._open()
         self.last_saved: int | None = self._manager.latest_step()  # the newest complete checkpoint
 
     def _open(self) -> ocp.CheckpointManager:
         return ocp.CheckpointManager(
-            self.directory,
-            options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True, cleanup_tmp_directories=True),
-        )
+            self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=self.keep, create=True))
+
+    def _remove_leftovers(self, step: int | None = None) -> list[str]:
+        """Deletes the temporary directories of writes that never committed (all, or `step`'s);
+        process 0 does it, at the start of a run and after a failed write."""
+        pattern = f"{'*' if step is None else step}{TMP_MARK}*"
+        paths = sorted(glob.glob(os.path.join(self.directory, pattern)))
+        if jax.process_index() == 0:
+            for path in paths:
+                shutil.rmtree(path, ignore_errors=True)
+        return [os.path.basename(p) for p in paths]
 
     def latest_step(self) -> int | None:
         return self._manager.latest_step()
@@ -73,9 +82,7 @@ class Checkpointer:
             self._manager.close()
         except Exception:  # noqa: BLE001 - the failure may surface again on close; it is handled above
             pass
-        if jax.process_index() == 0:
-            for path in glob.glob(os.path.join(self.directory, f"{step}{TMP_MARK}*")):
-                shutil.rmtree(path, ignore_errors=True)
+        self._remove_leftovers(step)
         self._manager = self._open()
 
     def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict[str, Any]]:

@@ -81,7 +81,8 @@ def peak_flops_per_device() -> tuple[float, str]:
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to `metrics.jsonl` (kept across resumes)."""
+    """Appends one JSON object per step to a JSONL file (`metrics.jsonl`, `plans.jsonl`), kept
+    across resumes: records of the steps a resumed run runs again are dropped."""
 
     def __init__(self, path: str, resume_from_step: int = 0):
         self.path = path

@@ -245,13 +245,30 @@ def budget_record(plan: Plan, cost, curves, base: int, measured: Sequence[bool])
             "predicted_imbalance_dst": predicted_imbalance(plan, cost, ks)}
 
 
-def load_balance(plan: Plan, cost) -> tuple[float, float]:
-    """(max, mean) modelled busy ms per device over the step."""
-    from jaxsb.parallel.executor import device_loads
+def group_times(plan: Plan, cost) -> list[list[float]]:
+    """Modelled busy ms of every group of every micro-batch (0 for a group with nothing to do);
+    a group's devices are all busy for its time."""
+    out = []
+    for m, mb in enumerate(plan.template.microbatches):
+        row = []
+        for g, group in enumerate(mb.groups):
+            sharded, local = plan.sequences_of(m, g)
+            if not sharded and not local:
+                row.append(0.0)
+                continue
+            scheme = "ulysses" if group.degree == 1 else group.scheme  # degree 1: no communication
+            row.append(float(cost.group_time_ms(group.degree, [plan.lengths[i] for i in sharded],
+                                                [[plan.lengths[i] for i in local.get(r, [])]
+                                                 for r in range(group.degree)], scheme=scheme)))
+        out.append(row)
+    return out
 
-    def group_ms(group, sharded, local):
-        scheme = "ulysses" if group.degree == 1 else group.scheme  # degree 1: no communication
-        return cost.group_time_ms(group.degree, sharded, local, scheme=scheme)
 
-    loads = device_loads(plan, group_ms)
+def load_balance(plan: Plan, cost, times: list[list[float]] | None = None) -> tuple[float, float]:
+    """(max, mean) modelled busy ms per device over the step (`times`: group_times, if made)."""
+    times = group_times(plan, cost) if times is None else times
+    loads = np.zeros(plan.template.num_devices)
+    for mb, row in zip(plan.template.microbatches, times):
+        for group, ms in zip(mb.groups, row):
+            loads[group.start:group.start + group.degree] += ms
     return float(np.max(loads)), float(np.mean(loads))

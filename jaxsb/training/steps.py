@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 from jaxsb import mesh as mesh_lib
 from jaxsb.config import Config, ModelConfig
 from jaxsb.data import Batch, DataIterator, StepPieces
-from jaxsb.devices import global_array, process_index
+from jaxsb.devices import global_array
 from jaxsb.plan import Template
 from jaxsb.programs import ProgramCache
 from jaxsb.training.step import make_planned_train_step, make_train_step
@@ -70,6 +70,7 @@ class PreparedStep:
     compile_s: float
     data_state: dict
     record: dict  # the layout's metrics (rows and padding, or the plan's summary, solve time, ...)
+    layout: dict | None = None  # planned steps: the plan and its modelled group times (plans.jsonl)
 
 
 @dataclasses.dataclass
@@ -165,18 +166,16 @@ class PlannedSteps:
         def plan_on_main():
             mine["planned"] = self.planner.plan(step)
             p = mine["planned"]
-            return step.digest(), p.plan, p.solve_s, p.info
+            return p.plan, p.solve_s, p.info
 
         key = f"jaxsb/plan/{n}"
-        main_digest, plan, solve_s, info = share_from_main(key, "plan", plan_on_main)
+        plan, solve_s, info = share_from_main(key, "plan", plan_on_main)
         # Process 0 has the results of the launch's step n-3 by now: every process took part
         # in it, so every process has read plan n-3.
         if n > 3:
             forget(f"jaxsb/plan/{n - 3}")
         if "planned" in mine:
             return mine["planned"]
-        if main_digest != step.digest():
-            self.log(f"process {process_index()}: step {n} of this launch: my data differ from process 0's")
         return PlannedStep(step, step_sequences(step), plan, solve_s, info)
 
     def draw(self, more: bool = True) -> DrawnStep:
@@ -196,7 +195,8 @@ class PlannedSteps:
 
     def build(self, drawn: DrawnStep, state) -> PreparedStep:
         from jaxsb.parallel.executor import layout_plan
-        from jaxsb.training.planning import load_balance
+        from jaxsb.training.planning import group_times, load_balance
+        from jaxsb.wire import plan_to_json
 
         planned, adm, wait_s = drawn.data
         plan = adm.plan
@@ -204,7 +204,8 @@ class PlannedSteps:
         num_targets = jnp.asarray(float(planned.step.num_targets), jnp.float32)
         c0 = self.compiler.compile_seconds
         compiled, is_new = self.compiler.get(plan.template, state, arrays, num_targets)
-        load_max, load_mean = load_balance(plan, self.planner.cost)
+        times = group_times(plan, self.planner.cost)
+        load_max, load_mean = load_balance(plan, self.planner.cost, times)
         slots = self.mesh.devices.size * sum(mb.tokens_per_device for mb in plan.template.microbatches)
         record = {
             "padding_frac": 1.0 - planned.step.num_tokens / slots,
@@ -219,7 +220,8 @@ class PlannedSteps:
             **planned.budget_record,
         }
         return PreparedStep(planned.step.doc_lengths, compiled, (arrays, num_targets), is_new,
-                            self.compiler.compile_seconds - c0, drawn.data_state, record)
+                            self.compiler.compile_seconds - c0, drawn.data_state, record,
+                            {"plan": plan_to_json(plan), "group_ms": times})
 
     def close(self) -> None:
         if self.pool is not None:

@@ -25,15 +25,11 @@ from jaxsb.data import DataIterator
 from jaxsb.devices import is_main_process
 from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
 from jaxsb.training.faults import PeerWatchdog, StepAgreement, StopRequest
-from jaxsb.training.metrics import (
-    MetricsWriter,
-    Progress,
-    peak_flops_per_device,
-    useful_train_flops,
-)
+from jaxsb.training.metrics import MetricsWriter, Progress, peak_flops_per_device, useful_train_flops
 from jaxsb.training.optim import learning_rate_schedule
 from jaxsb.training.state import build_model_fns, load_model_and_tokenizer
 from jaxsb.training.steps import PlannedSteps, PreparedStep, RowSteps
+from jaxsb.training.tensorboard import TensorBoardWriter
 from jaxsb.training.workdir import check_room, prepare_workdir
 from jaxsb.wire import share_from_main
 
@@ -49,14 +45,14 @@ class RunResult:
     compiles: int
     data_summary: str
     stopped: str | None = None  # why the run stopped before train.steps (e.g. "SIGTERM on process 0")
-    checkpoint: str | None = None  # the directory of the last checkpoint this launch saved
+    checkpoint: str | None = None  # the checkpoint directory, once it holds a checkpoint
 
 
 # --------------------------------------------------------------------------- the loop
 
 
 class _NoMetrics:
-    """Processes other than 0 write no metrics.jsonl (process 0 records the shared step)."""
+    """Processes other than 0 write no metrics.jsonl or events (process 0 records the shared step)."""
 
     def write(self, record: dict) -> None:
         pass
@@ -78,6 +74,9 @@ def train(cfg: Config, log: Callable[[str], None] = print) -> RunResult:
     workdir = share_from_main("jaxsb/workdir", "workdir", lambda: prepare_workdir(cfg)[1])
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, workdir=workdir))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), keep=cfg.train.keep_checkpoints)
+    if ckpt.removed_leftovers:
+        log(f"removed what an unfinished checkpoint write left in {ckpt.directory}: "
+            f"{', '.join(ckpt.removed_leftovers)}")
     # From here a lost peer stops this process with a line naming it (one process: no-op).
     watchdog = PeerWatchdog(cfg.parallel.peer_timeout_s, lambda: (ckpt.directory, ckpt.last_saved)).start()
     try:
@@ -100,9 +99,10 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     rows_path = cfg.parallel.planner == "none"
     num_rows = num_devices * cfg.data.rows_per_device if rows_path else None  # planned steps take pieces
     data = DataIterator(cfg.data, tokenizer, num_rows)
-    if main:  # found before training: an unwritable workdir, or no room for the checkpoints
-        check_room(workdir, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)),
-                   cfg.train.keep_checkpoints)
+    # Before training: an unwritable workdir, or no room for the checkpoints (checked by process 0,
+    # which writes the run's files; every process stops with its error).
+    share_from_main("jaxsb/room", "workdir", lambda: check_room(
+        workdir, sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(state)), cfg.train.keep_checkpoints))
 
     start = 0
     latest = ckpt.latest_step()
@@ -125,6 +125,10 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     schedule = learning_rate_schedule(cfg.train)
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_from_step=start) if main else _NoMetrics()
+    layouts = (MetricsWriter(os.path.join(workdir, "plans.jsonl"), resume_from_step=start)
+               if main and not rows_path else _NoMetrics())  # each step's plan, for jaxsb.report
+    board = (TensorBoardWriter(os.path.join(workdir, "tensorboard"), start + 1) if main and cfg.train.tensorboard
+             else _NoMetrics())
     progress = Progress(cfg.train.steps, start, cfg.train.progress and main)
 
     t_start = time.perf_counter()
@@ -174,6 +178,9 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
             if history is not None and "coverage_bin_sums" in metrics:  # later steps plan from these curves
                 history.update(metrics["coverage_bin_sums"], metrics["coverage_bin_blocks"])
         writer.write(record)
+        board.write(record)
+        if prepared.layout is not None:
+            layouts.write({"step": p["step"], **prepared.layout})
         progress.update(p["step"], record["loss"], record["tokens_per_s"])
         tokens_total += tokens
         final_loss = record["loss"]
@@ -213,6 +220,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
         steps.close()
     progress.close()
     writer.close()
+    board.close()
+    layouts.close()
     ckpt.close()
     seconds = time.perf_counter() - t_start
     last_step = last["step"] if stopped and last is not None else (start if stopped else cfg.train.steps)
@@ -228,4 +237,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     if main:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
+        if cfg.train.report and result.last_step > 0:
+            from jaxsb.report import write_report
+
+            write_report(workdir, log)
     return result

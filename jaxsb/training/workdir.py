@@ -47,9 +47,9 @@ def prepare_workdir(cfg: Config) -> tuple[Config, str]:
     return cfg, workdir
 
 
-def check_room(workdir: str, checkpoint_bytes: int, keep: int) -> None:
-    """Raises ConfigError before training when the workdir cannot be written, or its disk has
-    less room than `keep` checkpoints plus the one being written."""
+def check_room(workdir: str, checkpoint_bytes: int, keep: int) -> str:
+    """Returns `workdir`, or raises ConfigError before training when it cannot be written or
+    its disk has less room than `keep` checkpoints plus the one being written."""
     probe = os.path.join(workdir, f".jaxsb-write-probe-{os.getpid()}")
     try:
         with open(probe, "wb") as f:
@@ -66,6 +66,7 @@ def check_room(workdir: str, checkpoint_bytes: int, keep: int) -> None:
             f"{workdir}: {free / 1e6:,.1f} MB free on its disk, the run's checkpoints need about {need / 1e6:,.1f} MB "
             f"(train.keep_checkpoints={keep} kept and one being written, {checkpoint_bytes / 1e6:,.1f} MB each); "
             "free some space, lower train.keep_checkpoints or choose another --workdir")
+    return workdir
 
 
 def _normalise(v: Any) -> Any:

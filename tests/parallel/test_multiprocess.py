@@ -70,8 +70,9 @@ def test_two_processes_train_like_one_rows(runs):
 def test_only_process_zero_writes_and_reports(runs):
     two = runs["static"]
     two.losses()
-    assert sorted(os.listdir(two.workdir)) == ["checkpoints", "config.json", "metrics.jsonl", "summary.json",
-                                              "tokenizer.json"]
+    assert sorted(os.listdir(two.workdir)) == ["checkpoints", "config.json", "imbalance.png", "metrics.jsonl",
+                                              "plans.jsonl", "plans.png", "summary.json", "tensorboard",
+                                              "tokenizer.json", "training.png"]
     with open(os.path.join(two.workdir, "summary.json")) as f:
         assert json.load(f)["last_step"] == 3
     assert "trained 3 steps" in two.outputs[0] and "2 processes" in two.outputs[0], two.report()

@@ -97,8 +97,8 @@ def test_messages_round_trip():
                                                                             tok.vocab_size)
     plan = _tiny_plan()
     info = SolveInfo(0.25, "ok", False, 10.0, {"degrees": (2, 1), "gap": np.float64(0.5), "bound": float("nan")})
-    digest, plan_back, solve_s, info_back = wire.decode("k", "plan", wire.encode("plan", ("d", plan, 0.3, info)))[1]
-    assert plan_back == plan and digest == "d" and solve_s == 0.3
+    plan_back, solve_s, info_back = wire.decode("k", "plan", wire.encode("plan", (plan, 0.3, info)))[1]
+    assert plan_back == plan and solve_s == 0.3
     assert info_back.details == {"degrees": [2, 1], "gap": 0.5, "bound": None} and info_back.lower_bound_ms == 10.0
     error = wire.decode("k", ("plan", "error"), wire.encode("error", ConfigError("model.hidden: bad")))[1]
     assert isinstance(error, ConfigError) and str(error) == "on process 0: model.hidden: bad"
@@ -149,7 +149,7 @@ def _message(schema, body, version=None):
 
 
 def _plan_body(**change):
-    body = json.loads(wire.encode("plan", ("d", _tiny_plan(), 0.1, _info())))["body"]
+    body = json.loads(wire.encode("plan", (_tiny_plan(), 0.1, _info())))["body"]
     body["plan"].update(change)
     return body
 
@@ -164,7 +164,7 @@ def _info():
     (b"\x80\x04K\x01.", "not a jaxsb message"),
     (b'["a list"]', "field 'message': expected an object, got list"),
     (json.dumps({"jaxsb": "plan", "body": {}}).encode(), "field 'message.version': missing"),
-    (_message("plan", {}, version=99), "of version 1, got 99"),
+    (_message("plan", {}, version=99), "of version 2, got 99"),
     (_message("workdir", {"path": 3}), "field 'message.body.path': expected str, got int"),
     (_message("plan", _plan_body(lengths=[300, "40", 50, 90])), r"field 'message.body.plan.lengths\[1\]': expected int"),
     (_message("plan", _plan_body(placements=[[0, 0, -1]] * 3 + [[0, 9, -1]])), "not a valid plan: sequence 3: group 9"),
@@ -319,6 +319,27 @@ def test_a_checkpoint_failing_twice_stops_and_keeps_the_previous(tmp_path, monke
     assert sorted(os.listdir(tmp_path)) == ["3"]  # nothing of step 6 is left, step 3 is
     state, meta = Checkpointer(str(tmp_path)).restore(3, jax.eval_shape(lambda: _state(0)))
     assert meta == {"step": 3} and float(state["w"][0]) == 3.0
+
+
+def test_what_a_killed_write_left_is_removed_at_the_next_start(tmp_path, monkeypatch):
+    import orbax.checkpoint as ocp
+
+    ckpt = Checkpointer(str(tmp_path), keep=2)
+    ckpt.save(3, _state(3), {"step": 3})
+    ckpt.close()
+    # orbax itself writing step 6, cut short at its commit (as a kill there would leave it)
+    bare = ocp.CheckpointManager(str(tmp_path))
+    with monkeypatch.context() as m:
+        m.setattr(os, "rename", lambda *a, **k: (_ for _ in ()).throw(OSError(errno.EIO, "cut short")))
+        with pytest.raises(OSError):
+            bare.save(6, args=ocp.args.Composite(state=ocp.args.StandardSave(_state(6))))
+            bare.wait_until_finished()
+    assert sorted(os.listdir(tmp_path)) == ["3", "6.orbax-checkpoint-tmp"]
+    again = Checkpointer(str(tmp_path), keep=2)
+    assert again.removed_leftovers == ["6.orbax-checkpoint-tmp"]
+    assert again.latest_step() == 3 and again.last_saved == 3
+    again.close()
+    assert sorted(os.listdir(tmp_path)) == ["3"]
 
 
 def test_an_unwritable_or_full_workdir_is_found_before_training(tmp_path, monkeypatch):

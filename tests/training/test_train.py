@@ -78,6 +78,40 @@ def test_resume_reproduces_uninterrupted_losses(reference_run, tmp_path):
     np.testing.assert_allclose([r["loss"] for r in resumed[4:]], [r["loss"] for r in ref_records[4:]],
                                **tol("resume_loss", np.float32))
     assert [r["tokens"] for r in resumed] == [r["tokens"] for r in ref_records]
+    # TensorBoard shows each step once: the resumed launch's 5-8 replace the copied run's
+    board = tensorboard_scalars(tmp_path)["loss"]
+    assert sorted(board) == list(range(1, 9))
+    np.testing.assert_allclose([board[s] for s in range(1, 9)], [r["loss"] for r in resumed],
+                               **tol("tensorboard_scalar", np.float32))
+
+
+def tensorboard_scalars(workdir) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} as TensorBoard itself reads the run's event files."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(os.path.join(str(workdir), "tensorboard"), size_guidance={"scalars": 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["scalars"]:
+        events = acc.Scalars(tag)
+        out[tag] = {e.step: e.value for e in events}
+        assert len(out[tag]) == len(events), f"{tag}: a step drawn twice"
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.compiled
+def test_tensorboard_holds_the_metrics_scalars(reference_run):
+    from jaxsb.training.tensorboard import scalars
+
+    workdir, _, records = reference_run
+    board = tensorboard_scalars(workdir)
+    assert {"loss", "tokens_per_s", "lr", "grad_norm", "step_time_s", "padding_frac"} <= set(board)
+    for tag in set().union(*(scalars(r) for r in records)):
+        expected = {r["step"]: r[tag] for r in records if tag in scalars(r)}
+        assert board[tag].keys() == expected.keys(), tag
+        np.testing.assert_allclose([board[tag][k] for k in expected], list(expected.values()),
+                                   **tol("tensorboard_scalar", np.float32), err_msg=tag)
 
 
 @pytest.mark.slow  # reference_run trains
@@ -161,9 +195,11 @@ def test_cli_empty_data_directory_is_a_clear_error(tmp_path):
 @pytest.mark.slow
 @pytest.mark.compiled
 def test_cli_trains_and_eval_reads_the_run(tmp_path):
-    proc = run_cli("jaxsb.train", "--config", "tiny", "--workdir", str(tmp_path), "--set", "train.steps=4")
+    proc = run_cli("jaxsb.train", "--config", "tiny", "--workdir", str(tmp_path), "--set", "train.steps=4",
+                   "--set", "train.tensorboard=false")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "trained 4 steps" in proc.stdout and str(tmp_path) in proc.stdout
+    assert not (tmp_path / "tensorboard").exists() and "tensorboard/" not in proc.stdout
     text = tmp_path / "sample.txt"
     text.write_text(open(os.path.join(REPO, "jaxsb", "config.py")).read()[:3000])
     proc = run_cli("jaxsb.eval", "--workdir", str(tmp_path), "--text", str(text))
@@ -245,6 +281,8 @@ def test_training_runs_with_each_attention(tmp_path, attention, session_bpe):
             assert 0.0 < r["sparse_coverage"] < 1.0  # some eligible blocks were left out
     else:
         assert "sparse_coverage" not in records[0]
+    # the end-of-run report draws budgets and coverage exactly when attention is sparse
+    assert os.path.exists(os.path.join(tmp_path, "budgets.png")) == (attention == "sparse")
 
 
 @pytest.mark.slow
