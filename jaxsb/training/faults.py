@@ -58,7 +58,6 @@ class StopRequest:
 
     def __init__(self):
         self.reason: str | None = None
-        self.received_at: float | None = None
         self._old: dict = {}
 
     def __enter__(self) -> "StopRequest":
@@ -77,7 +76,7 @@ class StopRequest:
         if self.reason is not None and signum == signal.SIGINT:
             raise KeyboardInterrupt  # Ctrl-C twice: stop now, without the checkpoint
         if self.reason is None:
-            self.reason, self.received_at = name, time.monotonic()
+            self.reason = name
             print(f"jaxsb: {name} received; stopping after the current step with a checkpoint "
                   f"(send SIGINT again to stop at once)", file=sys.stderr, flush=True)
 

@@ -22,7 +22,7 @@ from jaxsb.devices import global_array
 from jaxsb.plan import Template
 from jaxsb.programs import ProgramCache
 from jaxsb.training.step import make_planned_train_step, make_train_step
-from jaxsb.wire import forget, share_from_main
+from jaxsb.wire import forget, plan_to_json, share_from_main
 
 BATCH_FIELDS = ("tokens", "targets", "segment_ids", "positions", "loss_mask")
 
@@ -79,7 +79,7 @@ class DrawnStep:
     will run (its tokens, and its plan): every process must hold the same (faults.StepAgreement)."""
 
     digest: str
-    data: Any  # RowSteps: the Batch; PlannedSteps: (PlannedStep, admitted Plan, plan wait seconds)
+    data: Any  # RowSteps: the Batch; PlannedSteps: (PlannedStep, admitted Plan, its JSON, plan wait seconds)
     data_state: dict  # the data iterator's state right after this step was drawn
 
 
@@ -94,10 +94,9 @@ def batch_digest(batch: Batch) -> str:
     return "data " + _sha(*(np.ascontiguousarray(getattr(batch, name)).tobytes() for name in BATCH_FIELDS))
 
 
-def plan_digest(plan) -> str:
-    from jaxsb.wire import plan_to_json
-
-    return _sha(json.dumps(plan_to_json(plan), sort_keys=True).encode())
+def plan_digest(plan_json: dict) -> str:
+    """Of a plan as jaxsb.wire.plan_to_json gives it."""
+    return _sha(json.dumps(plan_json, sort_keys=True).encode())
 
 
 class RowSteps:
@@ -190,15 +189,15 @@ class PlannedSteps:
         if adm.how == "over-bound":
             self.log(f"warning: plan {adm.plan.summary()} needs a program beyond parallel.max_programs="
                      f"{self.budget.max_programs}")
-        digest = f"data {planned.step.digest()[:16]} plan {plan_digest(adm.plan)}"
-        return DrawnStep(digest, (planned, adm, wait_s), planned.data_state)
+        plan_json = plan_to_json(adm.plan)
+        digest = f"data {planned.step.digest()[:16]} plan {plan_digest(plan_json)}"
+        return DrawnStep(digest, (planned, adm, plan_json, wait_s), planned.data_state)
 
     def build(self, drawn: DrawnStep, state) -> PreparedStep:
         from jaxsb.parallel.executor import layout_plan
         from jaxsb.training.planning import group_times, load_balance
-        from jaxsb.wire import plan_to_json
 
-        planned, adm, wait_s = drawn.data
+        planned, adm, plan_json, wait_s = drawn.data
         plan = adm.plan
         arrays = layout_plan(plan, planned.seqs, self.model_cfg, self.mesh)
         num_targets = jnp.asarray(float(planned.step.num_targets), jnp.float32)
@@ -221,7 +220,7 @@ class PlannedSteps:
         }
         return PreparedStep(planned.step.doc_lengths, compiled, (arrays, num_targets), is_new,
                             self.compiler.compile_seconds - c0, drawn.data_state, record,
-                            {"plan": plan_to_json(plan), "group_ms": times})
+                            {"plan": plan_json, "group_ms": times})
 
     def close(self) -> None:
         if self.pool is not None:

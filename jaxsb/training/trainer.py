@@ -125,6 +125,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     schedule = learning_rate_schedule(cfg.train)
     peak, peak_source = peak_flops_per_device()
     writer = MetricsWriter(os.path.join(workdir, "metrics.jsonl"), resume_from_step=start) if main else _NoMetrics()
+    if main and writer.dropped_partial:
+        log(f"dropped the last line of {writer.path}: cut short when the run was killed (its step runs again)")
     layouts = (MetricsWriter(os.path.join(workdir, "plans.jsonl"), resume_from_step=start)
                if main and not rows_path else _NoMetrics())  # each step's plan, for jaxsb.report
     board = (TensorBoardWriter(os.path.join(workdir, "tensorboard"), start + 1) if main and cfg.train.tensorboard
@@ -192,7 +194,7 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
         ckpt.save(step, state, {"data": data_state, "step": step}, log)
         paused_s += time.perf_counter() - t0
 
-    agreement, stopped, last = StepAgreement(), None, None
+    agreement, stopped = StepAgreement(), None
     try:
         for step in range(start + 1, cfg.train.steps + 1):
             drawn = steps.draw(more=step < cfg.train.steps)
@@ -206,13 +208,13 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
             state, metrics = prepared.compiled(state, *prepared.args)
             if pending is not None:
                 finish(pending)
-            pending = last = {"step": step, "metrics": metrics, "prepared": prepared}
+            pending = {"step": step, "metrics": metrics, "prepared": prepared}
             if step % cfg.train.checkpoint_every == 0 or step == cfg.train.steps:
                 save(step, prepared.data_state)
         if pending is not None:
             finish(pending)
-        if stopped and last is not None and ckpt.last_saved != last["step"]:
-            save(last["step"], last["prepared"].data_state)
+        if stopped and pending is not None and ckpt.last_saved != pending["step"]:
+            save(pending["step"], pending["prepared"].data_state)
     except (jax.errors.JaxRuntimeError, TimeoutError):
         watchdog.await_verdict()  # a failed collective may be a lost peer: the watchdog names it
         raise
@@ -224,7 +226,7 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     layouts.close()
     ckpt.close()
     seconds = time.perf_counter() - t_start
-    last_step = last["step"] if stopped and last is not None else (start if stopped else cfg.train.steps)
+    last_step = pending["step"] if stopped and pending is not None else (start if stopped else cfg.train.steps)
     result = RunResult(workdir, start, last_step, final_loss, tokens_total, seconds, compiler.count,
                        data.stats.summary(), stopped, ckpt.directory if ckpt.last_saved is not None else None)
     if stopped:
