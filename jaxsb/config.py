@@ -173,7 +173,7 @@ class TokenizerConfig:
         _check(self.train_bytes > 0, f"{prefix}.train_bytes", "must be > 0")
 
 
-DATA_KINDS = ("stdlib", "text", "jsonl", "chat", "tokens", "mqar")
+DATA_KINDS = ("stdlib", "text", "jsonl", "chat", "parquet", "datasets", "tokens", "mqar")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -200,10 +200,14 @@ class MqarConfig:
 class DataConfig:
     """Where documents come from, how bad input is treated, and how a step's batch is cut."""
 
-    kind: str = "stdlib"  # stdlib | text | jsonl | chat | tokens | mqar
-    path: str = ""  # directory (text), file or directory of .jsonl (jsonl, chat), .npy/.npz (tokens)
+    kind: str = "stdlib"  # stdlib | text | jsonl | chat | parquet | datasets | tokens | mqar
+    # directory (text), file or directory of .jsonl (jsonl, chat) or .parquet (parquet), a
+    # save_to_disk directory (datasets: Hugging Face datasets), .npy/.npz (tokens)
+    path: str = ""
     extensions: tuple[str, ...] = (".py",)  # files read by kind=stdlib|text ("*" = all)
-    text_field: str = "text"  # kind=jsonl
+    text_field: str = "text"  # kind=jsonl, and parquet / datasets with record=text
+    record: str = "text"  # kind=parquet|datasets: a row's text_field column | chat: its 'messages'
+    split: str = "train"  # kind=datasets: the split of a saved DatasetDict
     max_len: int = 2048  # longest document piece, in tokens
     long_policy: str = "split"  # split | truncate | drop, for documents longer than max_len
     on_malformed: str = "error"  # error | skip, for bad JSON lines / records
@@ -221,6 +225,7 @@ class DataConfig:
         self.mqar.validate(f"{prefix}.mqar")
         _check(self.kind != "mqar" or max(self.mqar.lengths) <= self.max_len, f"{prefix}.mqar.lengths",
                f"longest {max(self.mqar.lengths)} must be <= data.max_len={self.max_len} (examples are never split)")
+        _one_of(self.record, ("text", "chat"), f"{prefix}.record")
         _one_of(self.long_policy, ("split", "truncate", "drop"), f"{prefix}.long_policy")
         _one_of(self.on_malformed, ("error", "skip"), f"{prefix}.on_malformed")
         _one_of(self.on_undecodable, ("error", "skip", "replace"), f"{prefix}.on_undecodable")
@@ -283,6 +288,10 @@ class ParallelConfig:
     # cost model: auto (the devices' data-sheet preset, jaxsb.planner.hardware; "cpu" on CPU) | a
     # chip (tpu-v5p, gpu-h100, ...) | "cpu" | a published profile (jaxsb.planner.cost) | a calibrated JSON
     preset: str = "auto"
+    # memory the planner gives each simulated CPU device, MB (CPU devices only; accelerators have
+    # their chip's HBM): 0 = the calibrated preset's share of the host; smaller makes long
+    # sequences too big for one device, as on a real cluster
+    cpu_device_memory_mb: float = 0.0
     sp_degree: int = 0  # the static planner's degree (0 = all devices)
     cp: int = 0  # skrull's context-parallel group size (0 = all devices; dp = devices / cp)
     max_programs: int = 8  # compiled step programs at most; later plans reuse or fall back
@@ -306,6 +315,8 @@ class ParallelConfig:
         _check(self.devices >= 0, f"{prefix}.devices", "must be >= 0 (0 = all)")
         _one_of(self.planner, PLANNERS, f"{prefix}.planner")
         _one_of(self.scheme, ("ring", "ulysses"), f"{prefix}.scheme")
+        _check(self.cpu_device_memory_mb >= 0, f"{prefix}.cpu_device_memory_mb",
+               f"must be >= 0 (0 = the calibrated preset's), got {self.cpu_device_memory_mb}")
         _check(self.sp_degree >= 0 and self.cp >= 0, prefix, "sp_degree and cp must be >= 0 (0 = all devices)")
         _check(self.max_programs >= 2, f"{prefix}.max_programs",
                f"must be >= 2 (one slot is kept for the fallback plan), got {self.max_programs}")

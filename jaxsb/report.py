@@ -64,14 +64,18 @@ def plan_boxes(plan: dict, group_ms: list[list[float]]) -> list[Box]:
 
 
 def pick_steps(records: list[dict], layouts: dict[int, dict], count: int = 4) -> list[int]:
-    """The steps `plans.png` shows: first, most mixed group sizes, most imbalanced, last."""
+    """The steps `plans.png` shows: first, most mixed (the most distinct sizes among the groups
+    that hold sequences, then the most such groups), most imbalanced, last."""
     steps = [r["step"] for r in records if r["step"] in layouts]
     if not steps:
         return []
     imbalance = {r["step"]: r.get("load_imbalance") or 1.0 for r in records}
 
     def mix(step):
-        return max(len({g[1] for g in mb["groups"]}) for mb in layouts[step]["plan"]["microbatches"])
+        plan = layouts[step]["plan"]
+        used = {(m, g) for m, g, _rank in plan["placements"]}
+        degrees = [{mb["groups"][g][1] for m2, g in used if m2 == m} for m, mb in enumerate(plan["microbatches"])]
+        return max(len(d) for d in degrees), len(used)
 
     chosen = [steps[0], max(steps, key=mix), max(steps, key=imbalance.get), steps[-1]]
     return list(dict.fromkeys(chosen))[:count]

@@ -5,7 +5,7 @@ topology; libtpu compiles for it) or `gpu-h100:8` (one node of 8 GPUs), `gpu-h10
 of 8; XLA's GPU compiler compiles deviceless from a target description built from the chip's
 facts in jaxsb.planner.hardware). `target_devices` returns jax devices that programs can be
 lowered and compiled for, never run on. It needs the compilers: `bash scripts/setup.sh --targets`
-makes `.venv-targets` with libtpu and the CUDA plugin (see the README).
+makes `.venv-targets` with libtpu and the CUDA plugin (see docs/compile.md).
 """
 
 from __future__ import annotations

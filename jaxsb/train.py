@@ -40,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
           f"in {result.seconds:.1f} s ({result.tokens / max(result.seconds, 1e-9):,.0f} tokens/s); "
           f"final loss {result.final_loss if result.final_loss is None else round(result.final_loss, 4)}")
     print(f"compiled programs: {result.compiles}")
+    for line in result.plan_summary:
+        print(line)
     print(result.data_summary)
     files = ["metrics.jsonl", *(["tensorboard/"] if cfg.train.tensorboard else []),
              *(["pictures *.png"] if cfg.train.report else []), "checkpoints/", "config.json", "summary.json"]

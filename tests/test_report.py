@@ -38,6 +38,13 @@ def test_pick_steps_shows_first_mixed_imbalanced_last():
     records = [{"step": s, "load_imbalance": x} for s, x in zip([1, 2, 3, 4], [1.1, 1.0, 1.5, 1.2])]
     assert pick_steps(records, layouts) == [1, 2, 3, 4]
     assert pick_steps(records, {}) == []
+    # groups without sequences do not count as mixed: step 2 is "4,2,1,1" with both 1s idle
+    idle = {"plan": plan_to_json(build_plan(8, [[GroupSpec(4, "ring", sharded=(0,)), GroupSpec(2, "ring", sharded=(1,))]],
+                                            [100, 100]))}
+    layouts = {1: layout([2, 2, 2, 2]), 2: idle, 3: layout([4, 2, 1, 1]), 4: layout([2, 2, 2, 2])}
+    records = [{"step": s, "load_imbalance": 1.0} for s in (1, 2, 3, 4)]
+    assert idle["plan"]["microbatches"][0]["groups"][-1][1] == 1  # the executor's idle group
+    assert pick_steps(records, layouts) == [1, 3, 4]
 
 
 @pytest.mark.slow
@@ -59,7 +66,7 @@ def test_a_run_draws_its_pictures(tmp_path, session_bpe, capsys):
         assert max(layout["group_ms"][0]) > 0
     for name in ("training.png", "plans.png", "imbalance.png"):
         os.remove(tmp_path / name)
-    assert main(["--workdir", str(tmp_path)]) == 0  # the README's command
+    assert main(["--workdir", str(tmp_path)]) == 0  # docs/training.md's command
     for name in ("training.png", "plans.png", "imbalance.png"):
         image = matplotlib.image.imread(str(tmp_path / name))
         assert image.shape[0] > 200 and image.shape[1] > 400 and np.std(image) > 0.01, name

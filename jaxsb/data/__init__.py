@@ -10,7 +10,8 @@
 
 from jaxsb.data.batching import ATTENTION_COST_C, Batch, Packing, Piece, StepPieces, cost, cut_pieces, pack_rows
 from jaxsb.data.iterator import DataIterator
-from jaxsb.data.sources import DataError, Document, Source, open_source, render_chat
+from jaxsb.data.catalog import open_source
+from jaxsb.data.sources import DataError, Document, Source, render_chat
 from jaxsb.data.stats import DataStats
 from jaxsb.data.tokenizer import Tokenizer, build_tokenizer, byte_tokenizer, encode_document, train_bpe
 

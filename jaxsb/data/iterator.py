@@ -22,7 +22,8 @@ import numpy as np
 
 from jaxsb.config import DataConfig
 from jaxsb.data.batching import Batch, Piece, StepPieces, build_batch, cut_pieces, pack_rows
-from jaxsb.data.sources import DataError, Source, epoch_permutation, open_source
+from jaxsb.data.catalog import open_source
+from jaxsb.data.sources import DataError, Source, epoch_permutation
 from jaxsb.data.stats import DataStats
 from jaxsb.data.tokenizer import Tokenizer, encode_document
 

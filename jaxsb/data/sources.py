@@ -256,28 +256,37 @@ class JsonlSource(Source):
         return Document(origin=where, text=value)
 
     def _chat(self, record: dict, where: str, stats: DataStats) -> Document | None:
-        messages = record.get("messages")
-        if not isinstance(messages, list):
-            got = "no 'messages' key" if "messages" not in record else f"'messages' of type {type(messages).__name__}"
-            self._malformed(where, f"a 'messages' list of {{'role', 'content'}} objects, got {got}", stats)
+        if "messages" not in record:
+            self._malformed(where, "a 'messages' list of {'role', 'content'} objects, got no 'messages' key", stats)
             return None
-        out = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict):
-                self._malformed(where, f"messages[{i}] to be an object, got {type(m).__name__}", stats)
-                return None
-            role, content = m.get("role"), m.get("content")
-            if role not in CHAT_ROLES:
-                self._malformed(where, f"messages[{i}].role in {', '.join(CHAT_ROLES)}, got {role!r}", stats)
-                return None
-            if not isinstance(content, str):
-                self._malformed(where, f"messages[{i}].content to be a string, got {type(content).__name__}", stats)
-                return None
-            out.append((role, content))
-        if not out:
-            stats.add("skipped_empty", origin=where)
+        return chat_document(record["messages"], where, stats, lambda expected: self._malformed(where, expected, stats))
+
+
+def chat_document(messages, where: str, stats: DataStats, malformed) -> Document | None:
+    """A chat Document from a record's `messages` (a list of {"role", "content"} objects), or None:
+    `malformed(expected)` is called (it raises or counts, per data.on_malformed) for a bad list,
+    an empty list is counted as skipped_empty."""
+    if not isinstance(messages, list):
+        malformed(f"a 'messages' list of {{'role', 'content'}} objects, got 'messages' of type "
+                  f"{type(messages).__name__}")
+        return None
+    out = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            malformed(f"messages[{i}] to be an object, got {type(m).__name__}")
             return None
-        return Document(origin=where, messages=out)
+        role, content = m.get("role"), m.get("content")
+        if role not in CHAT_ROLES:
+            malformed(f"messages[{i}].role in {', '.join(CHAT_ROLES)}, got {role!r}")
+            return None
+        if not isinstance(content, str):
+            malformed(f"messages[{i}].content to be a string, got {type(content).__name__}")
+            return None
+        out.append((role, content))
+    if not out:
+        stats.add("skipped_empty", origin=where)
+        return None
+    return Document(origin=where, messages=out)
 
 
 # ----------------------------------------------------------------------------- pre-tokenized
@@ -397,22 +406,3 @@ class MqarSource(Source):
 
 def stdlib_root() -> str:
     return sysconfig.get_paths()["stdlib"]
-
-
-def open_source(cfg: DataConfig, vocab_size: int | None = None, eos_id: int | None = None) -> Source:
-    """The source for `cfg.kind`; kind=tokens and mqar need the tokenizer's vocab_size and eos_id."""
-    if cfg.kind == "stdlib":
-        return FileTreeSource(cfg, stdlib_root(), "stdlib", EXCLUDED_DIRS)
-    if cfg.kind == "text":
-        return FileTreeSource(cfg, cfg.path, "text")
-    if cfg.kind in ("jsonl", "chat"):
-        return JsonlSource(cfg, cfg.kind)
-    if cfg.kind == "tokens":
-        if vocab_size is None or eos_id is None:
-            raise DataError("data.kind=tokens: the tokenizer's vocab_size and eos_id are needed to validate ids")
-        return TokenArraySource(cfg, vocab_size, eos_id)
-    if cfg.kind == "mqar":
-        if vocab_size is None or eos_id is None:
-            raise DataError("data.kind=mqar: the tokenizer's vocab_size and eos_id are needed to check the ids")
-        return MqarSource(cfg, vocab_size, eos_id)
-    raise DataError(f"data.kind={cfg.kind!r}: allowed stdlib, text, jsonl, chat, tokens, mqar")

@@ -23,7 +23,8 @@ import tokenizers
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from jaxsb.config import DataConfig, TokenizerConfig
-from jaxsb.data.sources import IM_END, IM_START, DataError, Document, open_source
+from jaxsb.data.catalog import open_source
+from jaxsb.data.sources import IM_END, IM_START, DataError, Document
 from jaxsb.data.stats import DataStats
 
 log = logging.getLogger(__name__)

@@ -33,7 +33,7 @@ from typing import Callable
 
 from jaxsb import devices, wire
 
-EXIT_PEER_LOST = 3  # a peer process died or stopped answering (EX_ ... none fits; documented in the README)
+EXIT_PEER_LOST = 3  # a peer process died or stopped answering (EX_ ... none fits; documented in docs/multihost.md)
 BEAT_INTERVAL_S = 1.0
 DONE = "done"  # a finished process's last beat: it is no longer watched
 

@@ -1,5 +1,5 @@
-"""Per-step metrics: the `metrics.jsonl` writer, useful-FLOP accounting for MFU, and the
-console progress bar.
+"""Per-step metrics: the `metrics.jsonl` writer, useful-FLOP accounting for MFU, the console
+progress bar, and the end-of-run tally of plans and budgets.
 
 MFU counts only useful FLOPs: the matmuls of the real (non-padding) tokens, and attention
 inside each document under the causal mask (s·(s+1)/2 query-key pairs for a document of s
@@ -12,6 +12,7 @@ import json
 import os
 import sys
 import time
+from collections import Counter
 from typing import Any, Iterable
 
 from jaxsb.config import ModelConfig
@@ -135,11 +136,78 @@ class Progress:
             self._bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True,
                              file=sys.stderr, smoothing=0.1)
 
-    def update(self, step: int, loss: float, tokens_per_s: float) -> None:
+    def update(self, step: int, loss: float, tokens_per_s: float, plan: str | None = None) -> None:
+        """`plan`: the step's groups per micro-batch (e.g. "4,2,1,1"), shown after the loss."""
         if self._bar is not None:
-            self._bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s", refresh=False)
+            shown = f" | plan {plan}" if plan else ""
+            self._bar.set_postfix_str(f"loss {loss:.3f} | {tokens_per_s:,.0f} tok/s{shown}", refresh=False)
             self._bar.update(1)
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class PlanTally:
+    """The end-of-run summary of a planned run, from its metrics records: how often each layout
+    ran, the cost model's predicted step time against the measured one, and the sparse budgets.
+
+    Predicted and measured are compared per step, on the steps that compiled nothing (a compile
+    stalls the pipeline around it)."""
+
+    def __init__(self) -> None:
+        self.layouts: Counter = Counter()
+        self.predicted_ms: list[float] = []
+        self.measured_ms: list[float] = []
+        self.budgets: list[float] = []  # mean key blocks selected per query block
+        self.floor: dict[str, list[float]] = {"planned": [], "final": [], "overridden": []}  # the runtime floor
+
+    def add(self, record: dict) -> None:
+        if "plan" in record:
+            self.layouts[record["plan"]] += 1
+        if record.get("predicted_step_ms") is not None and not record.get("compiled_now"):
+            self.predicted_ms.append(float(record["predicted_step_ms"]))
+            self.measured_ms.append(float(record["measured_step_ms"]))
+        if record.get("sparse_blocks") is not None:
+            self.budgets.append(float(record["sparse_blocks"]))
+        for key, values in self.floor.items():
+            if record.get(f"sparse_floor_{key}") is not None:
+                values.append(float(record[f"sparse_floor_{key}"]))
+
+    def as_dict(self) -> dict:
+        import numpy as np
+
+        out: dict[str, Any] = {"layouts": dict(self.layouts.most_common())}
+        if self.predicted_ms:
+            ratio = np.asarray(self.measured_ms) / np.maximum(np.asarray(self.predicted_ms), 1e-9)
+            out |= {"predicted_step_ms_mean": float(np.mean(self.predicted_ms)),
+                    "measured_step_ms_mean": float(np.mean(self.measured_ms)),
+                    "measured_over_predicted_median": float(np.median(ratio)),
+                    "steps_compared": len(ratio)}
+        if self.budgets:
+            out["sparse_blocks_mean"] = float(np.mean(self.budgets))
+        out |= {f"sparse_floor_{key}_mean": float(np.mean(v)) for key, v in self.floor.items() if v}
+        return out
+
+    def lines(self, shown: int = 6) -> list[str]:
+        """The summary's lines; none for a run without plans."""
+        if not self.layouts:
+            return []
+        d, total = self.as_dict(), sum(self.layouts.values())
+        top = ", ".join(f"{plan} x{n}" for plan, n in self.layouts.most_common(shown))
+        more = len(self.layouts) - min(shown, len(self.layouts))
+        out = [f"layouts (groups per micro-batch, | between micro-batches) over {total} steps: {top}"
+               + (f", and {more} more" if more else "")]
+        if "steps_compared" in d:
+            n = d["steps_compared"]
+            out.append(f"step time, predicted by the cost model vs measured, over the {n} step{'s' * (n != 1)} "
+                       f"that compiled nothing: mean {d['predicted_step_ms_mean']:,.0f} ms vs "
+                       f"{d['measured_step_ms_mean']:,.0f} ms (median measured / predicted "
+                       f"{d['measured_over_predicted_median']:.2f})")
+        if "sparse_blocks_mean" in d:
+            floor = (f"; the runtime floor took budgets from {d['sparse_floor_planned_mean']:.2f} planned to "
+                     f"{d['sparse_floor_final_mean']:.2f} blocks, raising "
+                     f"{100 * d['sparse_floor_overridden_mean']:.1f}% of query blocks"
+                     if "sparse_floor_overridden_mean" in d else "")
+            out.append(f"sparse budgets: {d['sparse_blocks_mean']:.2f} key blocks per query block on average{floor}")
+        return out

@@ -7,7 +7,9 @@ trainer runs it for step t+1 in a background thread while step t runs.
 
 `admit(plan)` then decides which compiled program runs it (main thread, it owns the compile
 cache), keeping the number of programs at most `parallel.max_programs`:
-  1. a template already compiled runs as is;
+  1. a template already compiled runs as is, and so does a plan that a compiled template with
+     the same groups holds with buffers at most WIDEN_FIRST_GROWTH times its own (a little
+     padding costs less than a compile);
   2. while there is room (one slot is kept for the fallback), a new template is compiled;
   3. otherwise the plan is *widened* into a compiled template with the same groups and
      micro-batch count and buffers at least as large (only padding changes);
@@ -104,6 +106,18 @@ def load_cost_model(preset: str, num_devices: int, max_len: int, model_cfg: Mode
     return load_preset(preset, num_devices=num_devices, max_len=max_len)
 
 
+def with_memory_limit(cost, memory_mb: float):
+    """The cost model planning for devices of `memory_mb` MB each (parallel.cpu_device_memory_mb)."""
+    if not (dataclasses.is_dataclass(cost) and hasattr(cost, "memory_limit_mb")):
+        raise ConfigError(f"parallel.cpu_device_memory_mb: cost model {getattr(cost, 'name', cost)!r} has its "
+                          "own memory model (a token capacity); leave cpu_device_memory_mb at 0")
+    states = getattr(cost, "states_mb", 0.0)
+    if memory_mb <= states:
+        raise ConfigError(f"parallel.cpu_device_memory_mb={memory_mb:g}: the model states alone take "
+                          f"{states:.1f} MB per device under cost model {cost.name}")
+    return dataclasses.replace(cost, memory_limit_mb=float(memory_mb))
+
+
 def priced_in_blocks(cost, block: int):
     """The cost model with sparse budgets counted in the model's routing blocks (`block` of the
     group view, `sparse_block` of a calibrated model's work counts)."""
@@ -123,6 +137,8 @@ class StepPlanner:
         self.align = self.runnable.align
         self.preset = resolve_preset(cfg.parallel.preset, device_kind)
         self.cost = load_cost_model(self.preset, num_devices, cfg.data.max_len, model_cfg, cfg.parallel.fsdp)
+        if cfg.parallel.cpu_device_memory_mb and device_kind.lower() == "cpu":
+            self.cost = with_memory_limit(self.cost, cfg.parallel.cpu_device_memory_mb)
         if model_cfg.attention == "sparse":
             self.cost = priced_in_blocks(self.cost, model_cfg.sparse.block_size)
         p = cfg.parallel
@@ -162,9 +178,13 @@ class StepPlanner:
                           budgets=plan.budgets, align=self.align, planner="fallback")
 
 
-def widen(plan: Plan, templates: Sequence[Template]) -> Plan | None:
+WIDEN_FIRST_GROWTH = 1.5  # buffer tokens a compiled template may add to a plan before a new compile is preferred
+
+
+def widen(plan: Plan, templates: Sequence[Template], max_growth: float = float("inf")) -> Plan | None:
     """The plan moved onto the smallest compiled template with the same groups and buffers at
-    least as large, or None."""
+    least as large (and at most `max_growth` times its tokens per device), or None."""
+    own = sum(mb.tokens_per_device for mb in plan.template.microbatches)
     best = None
     for t in templates:
         if t.num_devices != plan.template.num_devices or len(t.microbatches) != len(plan.template.microbatches):
@@ -172,7 +192,7 @@ def widen(plan: Plan, templates: Sequence[Template]) -> Plan | None:
         if all(a.groups == b.groups and a.shard_len >= b.shard_len and a.local_len >= b.local_len
                for a, b in zip(t.microbatches, plan.template.microbatches)):
             size = sum(mb.tokens_per_device for mb in t.microbatches)
-            if best is None or size < best[0]:
+            if size <= max_growth * own and (best is None or size < best[0]):
                 best = (size, t)
     return None if best is None else dataclasses.replace(plan, template=best[1])
 
@@ -201,6 +221,9 @@ class ProgramBudget:
     def _choose(self, plan: Plan, fallback) -> Admission:
         if plan.template in self.templates:
             return Admission(plan, "compiled")
+        near = widen(plan, self.templates, WIDEN_FIRST_GROWTH)
+        if near is not None:
+            return Admission(near, "widened")
         if len(self.templates) < self.max_programs - 1:
             return Admission(plan, "new")
         widened = widen(plan, self.templates)

@@ -50,9 +50,13 @@ class StepCompiler(ProgramCache):
         super().__init__()
         self._jitted = jax.jit(step_fn, donate_argnums=(0,), out_shardings=(state_shardings, None))
 
+    @staticmethod
+    def key(batch_arrays) -> tuple:
+        """The program's key: the batch's field names, shapes and dtypes."""
+        return tuple((k, tuple(v.shape), str(v.dtype)) for k, v in sorted(batch_arrays.items()))
+
     def get(self, state, batch_arrays) -> tuple[Any, bool]:
-        key = tuple((k, v.shape, str(v.dtype)) for k, v in sorted(batch_arrays.items()))
-        return self.get_or_compile(key, lambda: self._jitted, state, batch_arrays)
+        return self.get_or_compile(self.key(batch_arrays), lambda: self._jitted, state, batch_arrays)
 
 
 def batch_to_device(batch: Batch, sharding) -> dict[str, jax.Array]:
@@ -110,6 +114,12 @@ class RowSteps:
     def draw(self, more: bool = True) -> DrawnStep:
         batch = self.data.next()
         return DrawnStep(batch_digest(batch), batch, self.data.state())
+
+    def will_compile(self, drawn: DrawnStep) -> bool:
+        """Whether building this step compiles a program (the trainer lets the step in flight
+        finish first, so that neither is timed with the other)."""
+        return StepCompiler.key({name: np.asarray(getattr(drawn.data, name)) for name in BATCH_FIELDS}) \
+            not in self.compiler
 
     def build(self, drawn: DrawnStep, state) -> PreparedStep:
         batch = drawn.data
@@ -193,6 +203,10 @@ class PlannedSteps:
         digest = f"data {planned.step.digest()[:16]} plan {plan_digest(plan_json)}"
         return DrawnStep(digest, (planned, adm, plan_json, wait_s), planned.data_state)
 
+    def will_compile(self, drawn: DrawnStep) -> bool:
+        """Whether building this step compiles a program (as RowSteps.will_compile)."""
+        return drawn.data[1].plan.template not in self.compiler
+
     def build(self, drawn: DrawnStep, state) -> PreparedStep:
         from jaxsb.parallel.executor import layout_plan
         from jaxsb.training.planning import group_times, load_balance
@@ -211,7 +225,8 @@ class PlannedSteps:
             "plan": plan.summary(), "planner": plan.planner or self.planner.cfg.parallel.planner,
             "plan_admission": adm.how, "microbatches": len(plan.template.microbatches),
             "tokens_per_device": [mb.tokens_per_device for mb in plan.template.microbatches],
-            "predicted_step_ms": None if plan.predicted_ms != plan.predicted_ms else plan.predicted_ms,
+            # the program that runs (widened or fallback plans included), priced by the cost model
+            "predicted_step_ms": float(self.planner.cost.plan_time_ms(plan)),
             "load_max_ms": load_max, "load_mean_ms": load_mean,
             "load_imbalance": load_max / load_mean if load_mean > 0 else 1.0,
             "plan_solve_s": planned.solve_s, "plan_wait_s": wait_s,

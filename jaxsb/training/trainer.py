@@ -25,7 +25,7 @@ from jaxsb.data import DataIterator
 from jaxsb.devices import is_main_process
 from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
 from jaxsb.training.faults import PeerWatchdog, StepAgreement, StopRequest
-from jaxsb.training.metrics import MetricsWriter, Progress, peak_flops_per_device, useful_train_flops
+from jaxsb.training.metrics import MetricsWriter, PlanTally, Progress, peak_flops_per_device, useful_train_flops
 from jaxsb.training.optim import learning_rate_schedule
 from jaxsb.training.state import build_model_fns, load_model_and_tokenizer
 from jaxsb.training.steps import PlannedSteps, PreparedStep, RowSteps
@@ -44,6 +44,7 @@ class RunResult:
     seconds: float
     compiles: int
     data_summary: str
+    plan_summary: list = dataclasses.field(default_factory=list)  # PlanTally.lines(): layouts, predicted vs measured
     stopped: str | None = None  # why the run stopped before train.steps (e.g. "SIGTERM on process 0")
     checkpoint: str | None = None  # the checkpoint directory, once it holds a checkpoint
 
@@ -132,6 +133,7 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     board = (TensorBoardWriter(os.path.join(workdir, "tensorboard"), start + 1) if main and cfg.train.tensorboard
              else _NoMetrics())
     progress = Progress(cfg.train.steps, start, cfg.train.progress and main)
+    tally = PlanTally()
 
     t_start = time.perf_counter()
     tokens_total, final_loss, pending = 0, None, None
@@ -183,7 +185,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
         board.write(record)
         if prepared.layout is not None:
             layouts.write({"step": p["step"], **prepared.layout})
-        progress.update(p["step"], record["loss"], record["tokens_per_s"])
+        progress.update(p["step"], record["loss"], record["tokens_per_s"], record.get("plan"))
+        tally.add(record)
         tokens_total += tokens
         final_loss = record["loss"]
 
@@ -202,6 +205,9 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
             stopped = agreement.check(step, drawn.digest, stop.reason)
             if stopped:
                 break
+            if pending is not None and steps.will_compile(drawn):
+                finish(pending)  # the step in flight ends before the compile: neither is timed with the other
+                pending = None
             c0 = compiler.compile_seconds
             prepared = steps.build(drawn, state)
             paused_s += compiler.compile_seconds - c0
@@ -228,7 +234,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     seconds = time.perf_counter() - t_start
     last_step = pending["step"] if stopped and pending is not None else (start if stopped else cfg.train.steps)
     result = RunResult(workdir, start, last_step, final_loss, tokens_total, seconds, compiler.count,
-                       data.stats.summary(), stopped, ckpt.directory if ckpt.last_saved is not None else None)
+                       data.stats.summary(), tally.lines(), stopped,
+                       ckpt.directory if ckpt.last_saved is not None else None)
     if stopped:
         log(f"jaxsb: stopped ({stopped}) after step {last_step}: "
             + (f"checkpoint of step {ckpt.last_saved} in {ckpt.directory}; the same command resumes from it"
@@ -236,6 +243,7 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     summary = dataclasses.asdict(result) | {"peak_flops_source": peak_source}
     if isinstance(steps, PlannedSteps):
         summary["plan_admissions"] = steps.budget.counts
+        summary["plans"] = tally.as_dict()
     if main:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

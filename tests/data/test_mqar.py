@@ -8,7 +8,8 @@ import pytest
 from jaxsb.config import ConfigError, DataConfig, MqarConfig, load_config
 from jaxsb.data import byte_tokenizer, encode_document
 from jaxsb.data.mqar import example, examples, pairs_for, recall_accuracy
-from jaxsb.data.sources import DataError, open_source
+from jaxsb.data.catalog import open_source
+from jaxsb.data.sources import DataError
 from jaxsb.data.stats import DataStats
 
 

@@ -126,7 +126,7 @@ def test_mqar_vocabulary_must_fit_the_model(capsys):
 
 @pytest.mark.slow
 def test_smollm2_finds_the_passkey_densely(capsys):
-    """The README's passkey command on the real model, at a short length: dense SmolLM2 retrieves
+    """docs/evaluation.md's passkey command on the real model, at a short length: dense SmolLM2 retrieves
     every key (greedy decoding is deterministic)."""
     pytest.importorskip("gguf")
     from jaxsb.models.pretrained import find_smollm2_gguf

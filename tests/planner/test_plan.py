@@ -170,3 +170,19 @@ def test_program_budget_widens_then_falls_back():
     assert adm.how == "fallback" and adm.plan.template == big.template and adm.plan.planner == "fallback"
     assert len(budget.templates) == 2
     assert widen(third, budget.templates) is None
+
+
+def test_program_budget_reuses_a_slightly_larger_program_before_compiling():
+    budget = ProgramBudget(8)
+
+    def fallback(plan):
+        raise AssertionError("there is room: no fallback")
+
+    big = build_plan(8, [[GroupSpec(8, "ring", (0,))]], [4000])
+    near = build_plan(8, [[GroupSpec(8, "ring", (0,))]], [3000])  # 376 of big's 500 tokens per device
+    far = build_plan(8, [[GroupSpec(8, "ring", (0,))]], [1000])
+    assert budget.admit(big, fallback).how == "new"
+    adm = budget.admit(near, fallback)
+    assert adm.how == "widened" and adm.plan.template == big.template
+    assert budget.admit(far, fallback).how == "new"  # big is 4x its buffers: compiled on its own
+    assert len(budget.templates) == 2

@@ -112,7 +112,7 @@ def _compile_cli(tmp_path, *args):
 
 
 def test_compile_cli_prints_the_table(tmp_path, session_bpe):
-    """The README's command (tiny settings: the sparse model, its block-sparse kernels)."""
+    """docs/compile.md's command (tiny settings: the sparse model, its block-sparse kernels)."""
     _default_cfg(tmp_path, session_bpe)  # the session's BPE in the workdir
     out = tmp_path / "reports.json"
     proc = _compile_cli(tmp_path, "--target", "tpu-v5e:2x2", "--steps", "1", "--json", str(out),

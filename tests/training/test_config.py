@@ -13,12 +13,12 @@ def test_every_shipped_config_loads_and_validates(path):
 
 def test_overrides_are_typed():
     cfg = load_config("default", ["train.steps=20", "train.lr=1e-3", "model.tie_embeddings=false",
-                                  "data.row_buckets=128,256,1024", "model.attention=reference",
+                                  "data.row_buckets=128,256,2048", "model.attention=reference",
                                   "parallel.planner=none", "model.sparse.top_k=4"])
     assert cfg.train.steps == 20 and isinstance(cfg.train.steps, int)
     assert cfg.train.lr == 1e-3
     assert cfg.model.tie_embeddings is False
-    assert cfg.data.row_buckets == (128, 256, 1024)
+    assert cfg.data.row_buckets == (128, 256, 2048)
     assert cfg.model.attention == "reference"
     assert cfg.model.sparse.top_k == 4 and cfg.model.sparse.block_size == 128
 
@@ -39,7 +39,7 @@ def test_overrides_are_typed():
     ("model.sparse.top_k=0", "model.sparse.top_k: must be >= 1"),
     ("model.sparse.blocksize=64", "model.sparse.blocksize: unknown key 'blocksize' in model.sparse"),
     ("model.sparse.policy=lazy", "model.sparse.policy: got 'lazy', allowed: fixed, floor"),
-    ("data.kind=mqar;data.mqar.lengths=4096", "data.mqar.lengths: longest 4096 must be <= data.max_len=1024"),
+    ("data.kind=mqar;data.mqar.lengths=4096", "data.mqar.lengths: longest 4096 must be <= data.max_len=2048"),
 ])
 def test_bad_overrides_name_the_field(override, message):
     with pytest.raises(ConfigError) as err:

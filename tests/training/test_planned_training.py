@@ -76,7 +76,7 @@ def _default_run(bpe, workdir, attention, planner):
     """The main job's config as a new user runs it (`python -m jaxsb.train --set
     parallel.planner=...`), two short steps: per step (tokens, documents) and loss. The rows
     reference packs into one 2048-token bucket, which holds any 4096 tokens of pieces of at most
-    1024 in 8 rows: it carries nothing, so it trains the same pieces as the planned steps."""
+    2048 (data.max_len) in 8 rows: it carries nothing, so it trains the same pieces as the planned steps."""
     rows = ["data.row_buckets=[2048]"] if planner == "none" else []
     cfg = bpe.seed(load_config("default", [
         f"train.workdir={workdir}", "train.steps=2", "train.checkpoint_every=100",
