@@ -63,6 +63,8 @@ def test_model_arithmetic_by_hand():
     assert model_params(MODEL) == matmul_params(MODEL) + 2 * 2 * 64 + 64  # norms; embedding tied
     # bf16: per layer 2*(4*64 + (2*4 + 2*2)*16 + 3*128) + 4*4 (f32 lse); f32 logits and their grad
     assert activation_bytes_per_token(MODEL) == 2 * (2 * (256 + 192 + 384) + 16) + 8 * 1000
+    # a TPU pads the per-head arrays' head_dim (16) to 128 lanes: q, k, v, o take 12 * 128
+    assert activation_bytes_per_token(MODEL, lanes=128) == 2 * (2 * (256 + 12 * 128 + 384) + 16) + 8 * 1000
 
 
 def test_hardware_cost_by_hand():
@@ -71,7 +73,12 @@ def test_hardware_cost_by_hand():
     ms_per_flop = 1e3 / 989e12
     assert cost.a2 == pytest.approx(6 * matmul_params(MODEL) * ms_per_flop / 0.5)
     assert cost.a1 == pytest.approx(7 * 2 * 4 * 16 * ms_per_flop / 0.35)
-    assert cost.states_mb == pytest.approx(model_params(MODEL) * 16 / 16 / 2**20)
+    # param, grad, Adam's two moments split over the 16 devices; the whole parameters and their
+    # gradient while a micro-batch runs (gathered by the executor)
+    assert cost.states_mb == pytest.approx((model_params(MODEL) * 16 / 16 + model_params(MODEL) * 8) / 2**20)
+    assert hardware_cost(h100, MODEL, 16, fsdp=False).states_mb == pytest.approx(model_params(MODEL) * 16 / 2**20)
+    tpu = hardware_cost(CHIPS["tpu-v5p"], MODEL, 16)
+    assert tpu.act_per_token_mb == pytest.approx(activation_bytes_per_token(MODEL, lanes=128) / 2**20)
     assert cost.memory_limit_mb == pytest.approx(80e9 * 0.75 / 2**20)
     # a group inside one 8-GPU node talks over NVLink (450 GB/s), a bigger one over InfiniBand (50)
     per_token = 2 * 2 * (2 * 4 + 2 * 2) * 16 * 2  # layers * (fwd + bwd) * (q, o, k, v widths) * bf16

@@ -32,6 +32,7 @@ largest up to a bucket (`BUFFER_BUCKETS`: 128, then 2^k and 1.5·2^k multiples o
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Sequence
 
 SCHEMES = ("local", "ulysses", "ring")
@@ -133,14 +134,21 @@ class Plan:
 
     def sequences_of(self, microbatch: int, group: int) -> tuple[list[int], dict[int, list[int]]]:
         """(sharded sequence ids, {rank: whole sequence ids}) of one group, in input order."""
-        sharded, local = [], {}
+        sharded, local = self._members.get((microbatch, group), ((), {}))
+        return list(sharded), {rank: list(ids) for rank, ids in local.items()}
+
+    @functools.cached_property
+    def _members(self) -> dict:
+        """{(microbatch, group): (sharded ids, {rank: whole ids})}, made once per plan (plans of
+        thousands of sequences and groups are costed group by group)."""
+        out: dict = {}
         for i, p in enumerate(self.placements):
-            if p.microbatch == microbatch and p.group == group:
-                if p.rank == SHARDED:
-                    sharded.append(i)
-                else:
-                    local.setdefault(p.rank, []).append(i)
-        return sharded, local
+            sharded, local = out.setdefault((p.microbatch, p.group), ([], {}))
+            if p.rank == SHARDED:
+                sharded.append(i)
+            else:
+                local.setdefault(p.rank, []).append(i)
+        return out
 
     def summary(self) -> str:
         return self.template.summary()

@@ -17,7 +17,10 @@ FlexSP-family formula of `jaxsb.planner.cost.FormulaCost` for one model:
                          plus o both ways; ring: k and v forward, k, v, dk, dv backward, per hop;
                          over NVLink / ICI inside a node, InfiniBand across nodes;
     memory               model states (param, grad and Adam's two moments, in the param dtype) split
-                         over the devices with FSDP, plus activations per token held.
+                         over the devices with FSDP, plus, with FSDP, the whole parameters and
+                         their gradient while a micro-batch runs (the executor gathers the
+                         parameters at the start of each micro-batch), plus activations per
+                         token held.
 
 The efficiencies and the fixed cost are stated assumptions, not measurements: they make the
 planner's choices realistic in kind (attention's quadratic share, communication's price), and
@@ -144,13 +147,17 @@ def model_params(m: ModelConfig) -> int:
     return matmul_params(m) + m.layers * 2 * m.hidden + m.hidden + embedding
 
 
-def activation_bytes_per_token(m: ModelConfig) -> float:
+TPU_LANES = 128  # a TPU keeps arrays in tiles of 128 lanes along their minor dimension
+
+
+def activation_bytes_per_token(m: ModelConfig, lanes: int = 1) -> float:
     """What the backward pass keeps per token, in bytes: per layer the norms' inputs, q, k, v,
     the attention output and its softmax statistics, the MLP's gate, up and product (or only the
     block's input with remat, one block's worth recomputed at a time), plus the float32 logits
-    and their gradient."""
+    and their gradient. `lanes`: the per-head arrays' minor dimension (head_dim) is padded to a
+    multiple of it (TPU_LANES on a TPU)."""
     b = _bytes(m.dtype)
-    qkvo = (2 * m.heads + 2 * m.kv_heads) * m.head_dim
+    qkvo = (2 * m.heads + 2 * m.kv_heads) * (-(-m.head_dim // lanes) * lanes)
     per_layer = b * (4 * m.hidden + qkvo + 3 * m.ffn) + 4 * m.heads
     layers = b * m.hidden * m.layers + per_layer if m.remat else per_layer * m.layers
     return layers + 2 * 4 * m.vocab_size
@@ -177,9 +184,11 @@ def hardware_cost(c: Chip, m: ModelConfig, num_devices: int, *, fsdp: bool = Tru
         ulysses[d] = ulysses_bytes * (d - 1) / d / (gbs * 1e9) * 1e3
         ring[d] = ring_bytes / (gbs * 1e9) * 1e3
     state_bytes = model_params(m) * 4 * _bytes(m.param_dtype)  # param, grad, Adam's mu and nu
+    # FSDP: each micro-batch's shard_map holds the gathered parameters and their gradient whole
+    gathered_bytes = model_params(m) * 2 * _bytes(m.param_dtype) if fsdp and num_devices > 1 else 0
     return FormulaCost(
         name=f"{c.name}:{num_devices}", a1=a1, a2=a2, b1=B1_MS_PER_LAYER * m.layers,
         memory_limit_mb=c.hbm_gb * 1e9 * c.memory_fraction / 2**20,
-        states_mb=state_bytes / (num_devices if fsdp else 1) / 2**20,
-        act_per_token_mb=activation_bytes_per_token(m) / 2**20,
+        states_mb=(state_bytes / (num_devices if fsdp else 1) + gathered_bytes) / 2**20,
+        act_per_token_mb=activation_bytes_per_token(m, TPU_LANES if c.platform == "tpu" else 1) / 2**20,
         ulysses_ms_per_token=ulysses, ring_ms_per_token=ring, block=block)
