@@ -97,6 +97,12 @@ class Source:
         """What this source reads, for 'no usable text' errors."""
         return self.describe()
 
+    def _malformed(self, where: str, expected: str, stats: DataStats) -> None:
+        """A bad record or row, under data.on_malformed: a DataError naming it, or a counted skip."""
+        if self.cfg.on_malformed == "error":
+            raise DataError(f"{where}: expected {expected}; set data.on_malformed=skip to skip such {self.unit_name}")
+        stats.add("skipped_malformed", origin=where)
+
     def texts(self, seed: int, stats: DataStats | None = None) -> Iterator[str]:
         """Document texts in the seeded order of epoch 0 (used to train a BPE tokenizer)."""
         stats = stats if stats is not None else DataStats()
@@ -210,11 +216,6 @@ class JsonlSource(Source):
     def looked_for(self) -> str:
         what = f"string field {self.cfg.text_field!r}" if self.kind == "jsonl" else "'messages' lists"
         return f"{self.cfg.path}: JSONL records with a {what} in {len(self.files)} file(s), {len(self):,} lines"
-
-    def _malformed(self, where: str, expected: str, stats: DataStats) -> None:
-        if self.cfg.on_malformed == "error":
-            raise DataError(f"{where}: expected {expected}; set data.on_malformed=skip to skip such records")
-        stats.add("skipped_malformed", origin=where)
 
     def read(self, unit: int, stats: DataStats) -> Document | None:
         fi = int(np.searchsorted(self.first_unit, unit, side="right") - 1)

@@ -57,7 +57,8 @@ def _check_column(schema, column: str, record: str, where: str) -> None:
 
 
 class TableSource(Source):
-    """Rows of Arrow tables as documents; subclasses provide `_column(part)` and the row index."""
+    """Rows of Arrow tables as documents; subclasses list their files and rows and provide
+    `_value(part, row)`."""
 
     unit_name = "rows"
 
@@ -90,9 +91,7 @@ class TableSource(Source):
         value = self._value(part, row)
 
         def malformed(expected: str) -> None:
-            if self.cfg.on_malformed == "error":
-                raise DataError(f"{where}: expected {expected}; set data.on_malformed=skip to skip such rows")
-            stats.add("skipped_malformed", origin=where)
+            self._malformed(where, expected, stats)
 
         if value is None:
             malformed(f"a value in column {_column_name(self.cfg)!r}, got null")

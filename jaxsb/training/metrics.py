@@ -15,6 +15,8 @@ import time
 from collections import Counter
 from typing import Any, Iterable
 
+import numpy as np
+
 from jaxsb.config import ModelConfig
 from jaxsb.planner.hardware import matmul_params  # noqa: F401  (one count for MFU and the cost models)
 
@@ -175,8 +177,6 @@ class PlanTally:
                 values.append(float(record[f"sparse_floor_{key}"]))
 
     def as_dict(self) -> dict:
-        import numpy as np
-
         out: dict[str, Any] = {"layouts": dict(self.layouts.most_common())}
         if self.predicted_ms:
             ratio = np.asarray(self.measured_ms) / np.maximum(np.asarray(self.predicted_ms), 1e-9)
