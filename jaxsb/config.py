@@ -297,8 +297,9 @@ class ParallelConfig:
     max_programs: int = 8  # compiled step programs at most; later plans reuse or fall back
     plan_time_limit_s: float = 1.0
     # Sparse budgets (model.attention=sparse): fixed = every sequence at model.sparse.top_k |
-    # dst = the jaxsb planner chooses them per document each step (DST over its layout, from the
-    # coverage curves the sparse layers measured in earlier steps; needs model.sparse.max_blocks)
+    # dst = the planner chooses them per document each step (its layout at SAB's budget estimates,
+    # then DST over it, from the coverage curves the sparse layers measured in earlier steps;
+    # any planner but none; needs model.sparse.max_blocks)
     budgets: str = "fixed"
     background_planning: bool = True  # plan step t+1 while step t runs
     # Several processes (one per host) joined by jax.distributed.initialize: "" = one process |
@@ -324,8 +325,9 @@ class ParallelConfig:
         _one_of(self.budgets, ("fixed", "dst"), f"{prefix}.budgets")
         _check(self.peer_timeout_s >= 2, f"{prefix}.peer_timeout_s",
                f"must be >= 2 seconds (peers beat once a second), got {self.peer_timeout_s}")
-        _check(self.budgets == "fixed" or self.planner == "jaxsb", f"{prefix}.budgets",
-               f"budgets=dst is chosen by the jaxsb planner, got parallel.planner={self.planner!r}")
+        _check(self.budgets == "fixed" or self.planner != "none", f"{prefix}.budgets",
+               "budgets=dst is chosen by a planner (static, batch-adaptive, flexsp, skrull, jaxsb); "
+               "parallel.planner=none packs rows without one")
         self._validate_processes(prefix)
 
     def _validate_processes(self, prefix: str) -> None:

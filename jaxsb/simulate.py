@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.coverage is None and any(getattr(p, "uses_coverage", False) for p in planners.values()):
             raise ValueError("the planners that choose budgets need --coverage synthetic|FILE")
         block = getattr(cost, "block", 128)
-        max_k = max([getattr(p, "max_blocks", 0) or p.budget_options["max_blocks"] for p in planners.values()
+        max_k = max([getattr(p, "max_blocks", 0) or p.budgeting.max_blocks for p in planners.values()
                      if getattr(p, "uses_coverage", False)] or [1])
         coverage = coverage_source(args.coverage, block=block, max_k=max_k, seed=args.seed)
         source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, args.seed)

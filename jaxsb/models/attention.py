@@ -115,7 +115,8 @@ def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Arr
     (jaxsb.models.router). Returns (out [B,T,H,D], stats): `sparse_blocks` (mean selected
     blocks per query block), `sparse_coverage` (mean routing mass kept per row) and, with the
     floor, `floor_planned` / `floor_final` (the budgets before / after it) and `floor_overridden`
-    (the share of query blocks it raised), those three weighted by real tokens; with
+    (the share of query blocks it raised), those three weighted by real tokens, and the extremes
+    `floor_drop_max` / `floor_coverage_min` (floor_stats); with
     `curve_bins`, `coverage_bin_sums` / `coverage_bin_blocks` (router.length_bin_sums); and
     `attn_block_pairs`, the (query block, key block) pairs the kernel computes (its tables'
     counts summed over rows and kv heads)."""
@@ -138,11 +139,17 @@ def sparse_attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Arr
 
 
 def floor_stats(floor) -> dict:
-    """Token-weighted means of the runtime floor's decisions (`router.Floor`)."""
+    """Token-weighted means of the runtime floor's decisions (`router.Floor`), and over the
+    query blocks holding real tokens the largest coverage drop against the base budget
+    (`floor_drop_max`, 0 when none lost any: the floor keeps it <= p) and the smallest coverage
+    at the final budgets (`floor_coverage_min`, 1 when there is no such block)."""
     w = floor.tokens
     total = jnp.maximum(w.sum(), 1.0)
+    real = w > 0
     out = {"floor_planned": (floor.planned * w).sum() / total, "floor_final": (floor.final * w).sum() / total,
-           "floor_overridden": (floor.overridden * w).sum() / total}
+           "floor_overridden": (floor.overridden * w).sum() / total,
+           "floor_drop_max": jnp.max(jnp.where(real, floor.drop, 0.0), initial=0.0),
+           "floor_coverage_min": jnp.min(jnp.where(real, floor.coverage, 1.0), initial=1.0)}
     if floor.bin_sums is not None:
         out.update(coverage_bin_sums=floor.bin_sums, coverage_bin_blocks=floor.bin_blocks)
     return out

@@ -70,6 +70,8 @@ class Floor(NamedTuple):
     final: jax.Array  # int32: the budget the block runs at
     overridden: jax.Array  # bool: the floor raised it
     tokens: jax.Array  # float32: the block's real (non-padding) tokens
+    coverage: jax.Array  # float32: C(final) of the block's document
+    drop: jax.Array  # float32: C(k_base) - C(final) of the block's document (<= p; < 0 when raised)
     bin_sums: jax.Array | None = None  # [LENGTH_BINS, K]: sum of C(1..K) over real query blocks per bin
     bin_blocks: jax.Array | None = None  # [LENGTH_BINS]: how many real query blocks per bin
 
@@ -146,8 +148,9 @@ def document_mean(sums_k, doc_q, doc_k, own_q, heads):
 
 
 def apply_floor(doc_curves, planned, base: int, p: float, routed=None):
-    """(final [B, nq] int32, overridden [B, nq] bool): the module docstring's floor on planned
-    budgets [B, nq] given each query block's document curve [B, nq, M]."""
+    """(final [B, nq] int32, overridden [B, nq] bool, coverage [B, nq], drop [B, nq]): the
+    module docstring's floor on planned budgets [B, nq] given each query block's document
+    curve [B, nq, M]; coverage = C(final), drop = C(k_base) - C(final)."""
     M = doc_curves.shape[-1]
     kb = max(1, min(int(base), M))
     planned = jnp.clip(planned.astype(jnp.int32), 1, M)
@@ -158,7 +161,9 @@ def apply_floor(doc_curves, planned, base: int, p: float, routed=None):
         overridden = overridden & (routed > 0)
     # C is non-decreasing: the k < kb below the target are a prefix; k_min is the next one
     k_min = 1 + (doc_curves[..., : kb - 1] < (c_base - p)[..., None]).sum(-1)
-    return jnp.where(overridden, k_min, planned).astype(jnp.int32), overridden
+    final = jnp.where(overridden, k_min, planned).astype(jnp.int32)
+    c_final = jnp.take_along_axis(doc_curves, (final - 1)[..., None], axis=-1)[..., 0]
+    return final, overridden, c_final, c_base - c_final
 
 
 def _pad_t(x, n, value=0):
@@ -284,12 +289,12 @@ def route(q, k, segment_ids, budgets, block_size: int = 128, max_blocks: int | N
         planned = jnp.broadcast_to(budget[:, 0, :], (B, nb))
         routed = routed_documents(segment_ids, B, T, block_size)
         doc = document_curves(block_curves(scores, max_blocks), routed, head_sum)
-        final, overridden = apply_floor(doc, planned, floor[0], floor[1], routed)
+        final, overridden, c_final, drop = apply_floor(doc, planned, floor[0], floor[1], routed)
         bins = (None, None)
         if curve_bins:
             bins = length_bin_sums(doc, document_tokens(routed, routed, weights), (routed > 0) & (weights > 0),
                                    curve_bins)
-        floor_info = Floor(planned, final, overridden, weights, *bins)
+        floor_info = Floor(planned, final, overridden, weights, c_final, drop, *bins)
         budget = final[:, None, :]
     counts = jnp.minimum(budget, n_eligible).astype(jnp.int32)
 

@@ -44,7 +44,7 @@ from jaxsb.config import ModelConfig
 from jaxsb.mesh import AXIS
 from jaxsb.models.attention import attend, attention_override, ring_implementation, sparse_attend, sparse_options
 from jaxsb.models.loss import next_token_loss
-from jaxsb.models.stats import PER_DEVICE_STATS, SUMMED_STATS, pop_layer_stats
+from jaxsb.models.stats import MAX_STATS, MIN_STATS, PER_DEVICE_STATS, SUMMED_STATS, combine_stat, pop_layer_stats
 from jaxsb.plan.layout import FIELDS, SeqData, layout_microbatch
 from jaxsb.plan import MicroBatch, Plan, Template
 from jaxsb.plan.executable import alignment, check_executable
@@ -116,9 +116,10 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
             out_local = local(q[:, S:], k[:, S:], v[:, S:], seg[:, S:], budgets_BxT[:, S:])
             out = jnp.concatenate([out, out_local], axis=1)
         layer_stats = {}
-        if stats:  # token-weighted means over the calls of this layer; counts and sums add up
+        if stats:  # token-weighted means over the calls of this layer; counts, sums and extremes by combine_stat
             w = jnp.maximum(sum(n for _, n in stats), 1)
-            layer_stats = {key: sum(layer[key] for layer, _ in stats) if key in SUMMED_STATS
+            layer_stats = {key: combine_stat(key, jnp.stack([layer[key] for layer, _ in stats]))
+                           if key in SUMMED_STATS + MAX_STATS + MIN_STATS
                            else sum(layer[key] * n for layer, n in stats) / w for key in stats[0][0]}
         return out, layer_stats
 
@@ -126,11 +127,11 @@ def _device_attention(model_cfg: ModelConfig, mb: MicroBatch, pos_BxT, budgets_B
 
 
 def reduce_device_stat(name: str, per_device):
-    """A sown statistic over the devices [N, ...]: per device for PER_DEVICE_STATS, summed for
-    the other SUMMED_STATS, else the mean."""
+    """A sown statistic over the devices [N, ...]: per device for PER_DEVICE_STATS, else
+    combined by `combine_stat`."""
     if name in PER_DEVICE_STATS:
         return per_device
-    return per_device.sum(0) if name in SUMMED_STATS else per_device.mean(0)
+    return combine_stat(name, per_device)
 
 
 def microbatch_loss_fn(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, mb: MicroBatch) -> Callable:
@@ -178,8 +179,7 @@ def plan_value_and_grad(graphdef, rest, model_cfg: ModelConfig, mesh: Mesh, temp
                 stats_acc.setdefault(k, []).append(v)
         scale = 1.0 / jnp.maximum(num_targets, 1.0)
         grads = jax.tree.map(lambda x: x * scale.astype(x.dtype), grads)
-        stats = {k: jnp.sum(jnp.stack(v), 0) if k in SUMMED_STATS else jnp.mean(jnp.stack(v), 0)
-                 for k, v in stats_acc.items()}
+        stats = {k: combine_stat(k, jnp.stack(v)) for k, v in stats_acc.items()}
         return total * scale, grads, stats
 
     return run

@@ -178,11 +178,11 @@ def _route(q, k, seg, budgets, cfg: RingConfig, max_blocks: int, floor=None, cur
                                 (vma_full(c_local, (B, nbg, M)), vma_full(weights, (B, nbg))))
         doc_curve = document_mean(cg, doc, dg, c_local, jnp.float32(K))
         planned = jnp.broadcast_to(budget[:, 0, :], (B, T // bs))
-        final, overridden = apply_floor(doc_curve, planned, floor[0], floor[1], doc)
+        final, overridden, c_final, drop = apply_floor(doc_curve, planned, floor[0], floor[1], doc)
         bins = (None, None)
         if curve_bins:
             bins = length_bin_sums(doc_curve, document_tokens(doc, dg, wg), (doc > 0) & (weights > 0), curve_bins)
-        floor_info = Floor(planned, final, overridden, weights, *bins)
+        floor_info = Floor(planned, final, overridden, weights, c_final, drop, *bins)
         budget = final[:, None, :]
     counts = jnp.broadcast_to(jnp.minimum(budget, eligible.sum(-1)), (B, K, T // bs))
     slot_ok = jnp.arange(M) < counts[..., None]

@@ -5,6 +5,11 @@ A planner is built as `Planner(cost, num_devices, **options)` and answers
 back, a message, a lower bound where it has one, and its own figures in `details`).
 `plan(...)` is `solve(...).plan`.
 
+Every sequence-parallel planner takes the budget options of `jaxsb.planner.budgeting`
+(`budgets="fixed"|"base"|"dst"`, `base_budget`, `max_blocks`, `coverage_drop`, `anchor`,
+`budget_rounds`): with "dst" its layouts are planned at SAB's budget estimates and DST chooses
+the budgets (`Budgeting.solve`), the same for every planner.
+
 Planners used for training are told what the executor can run (`runnable`, a
 `jaxsb.plan.Runnable`): they plan within it (alignment, allowed ulysses degrees) and
 `PlannerBase.solve` checks every plan against it, so a plan that reaches the trainer is one
@@ -18,6 +23,7 @@ import time
 from typing import Any, Mapping, Protocol, Sequence
 
 from jaxsb.plan import Plan, PlanError, Runnable
+from jaxsb.planner.budgeting import Budgeting
 from jaxsb.planner.cost import token_capacity
 
 GROUP_SCHEMES = ("ulysses", "ring")  # how a planner's multi-device groups attend
@@ -61,7 +67,17 @@ class PlannerBase:
 
     name = ""
     runnable: Runnable | None = None
-    uses_coverage = False  # planners that choose budgets take coverage curves (one per sequence)
+    budgeting: Budgeting | None = None  # budgets="base"|"dst" (init_budgeting); None: as given
+
+    def init_budgeting(self, options: dict) -> None:
+        """Takes the budget options out of a constructor's `options` (jaxsb.planner.budgeting);
+        call before check_options. Needs self.cost."""
+        self.budgeting = Budgeting.from_options(self.name, options, self.cost)
+
+    @property
+    def uses_coverage(self) -> bool:
+        """Planners that choose budgets take coverage curves (one per sequence)."""
+        return self.budgeting is not None and self.budgeting.uses_coverage
 
     def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         raise NotImplementedError
@@ -71,7 +87,9 @@ class PlannerBase:
         planners that choose budgets (`uses_coverage`); the others ignore it."""
         t0 = time.perf_counter()
         lengths = [int(n) for n in lengths]
-        if self.uses_coverage:
+        if self.budgeting is not None:
+            plan, fields = self.budgeting.solve(self, lengths, coverage)
+        elif self.uses_coverage:  # a planner that chooses budgets itself (SparseBalance's setting)
             plan, fields = self._solve(lengths, budgets, coverage)
         else:
             plan, fields = self._solve(lengths, budgets)

@@ -309,9 +309,10 @@ class FlexSPPlanner(PlannerBase):
                  buckets: int = 16, mb_options: int = 5, degrees: Sequence[int] | None = None,
                  warm_start: bool = True, align: int = 1, runnable: Runnable | None = None, **options):
         check_scheme(self.name, scheme)
+        self.cost = cost
+        self.init_budgeting(options)
         check_options(self.name, options)
         self.runnable = runnable
-        self.cost = cost
         self.num_devices = int(num_devices)
         self.time_limit_s = float(time_limit_s)
         self.scheme = scheme

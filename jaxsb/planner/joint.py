@@ -97,38 +97,21 @@ class JaxsbPlanner(PlannerBase):
     the executor runs: its alignment; ulysses groups it cannot run become ring groups) or `align` (buffer
     alignment for build_plan, for the simulator).
 
-    Budgets: `budgets="fixed"` (default) plans with the budgets `solve` is given (None: dense);
-    `"base"`: every sequence at `base_budget`; `"dst"` (then `solve` takes coverage curves): the layout is
-    planned at each sequence's budget estimate (the moving average of past choices per length
-    bin, `BudgetHistory`; the base budget at first), then the DST pass (jaxsb.planner.dst.tune:
-    per document, anchor over each micro-batch's groups, raises into idle time only) chooses the
-    budgets, and the layout is planned again at those budgets and tuned again (`budget_rounds`
-    layouts in all); the fastest plan wins, its budgets update the history. Options
-    `base_budget` (32), `max_blocks` (2 x base), `coverage_drop` (p, 0.1), `anchor` ("mean").
-    The lower bound is taken at every sequence's floor k_min(p)."""
+    Budgets: the options of jaxsb.planner.budgeting (`budgets="fixed"|"base"|"dst"`, ...), as
+    for every planner; under "dst" the lower bound is taken at every sequence's floor k_min(p)
+    (`lower_bound_at`)."""
 
     name = "jaxsb"
 
     def __init__(self, cost, num_devices: int, *, time_limit_s: float = 5.0, scheme: str = "ulysses",
                  mb_options: int = 4, degrees: Sequence[int] | None = None, search_steps: int = 14,
                  moves: int = 4000, portfolio: bool = True, align: int = 1, runnable: Runnable | None = None,
-                 budgets: str = "fixed", base_budget: int = 32, max_blocks: int | None = None,
-                 coverage_drop: float = 0.1, anchor: str = "mean", budget_rounds: int = 2, **options):
+                 **options):
         check_scheme(self.name, scheme)
-        check_options(self.name, options)
-        if budgets not in ("fixed", "base", "dst"):
-            raise ValueError(f"{self.name}: budgets must be 'fixed' (as given), 'base' or 'dst', got {budgets!r}")
-        self.budgets_mode = budgets
-        self.uses_coverage = budgets == "dst"
-        self.budget_options = dict(base=int(base_budget), max_blocks=int(max_blocks or 2 * base_budget),
-                                   p=float(coverage_drop), anchor=anchor)
-        self.budget_rounds = max(1, int(budget_rounds))
-        if self.uses_coverage:
-            from jaxsb.planner.sparsebalance import BudgetHistory
-
-            self.history = BudgetHistory(base_budget, getattr(cost, "block", 128))
-        self.runnable = runnable
         self.cost = cost
+        self.init_budgeting(options)
+        check_options(self.name, options)
+        self.runnable = runnable
         self.num_devices = int(num_devices)
         self.time_limit_s = float(time_limit_s)
         self.scheme = scheme
@@ -140,41 +123,14 @@ class JaxsbPlanner(PlannerBase):
         degs = degrees or pow2_degrees(self.num_devices)
         self.lin = LinearCost(cost, self.num_devices, scheme, check_degrees(self.name, degs, self.num_devices))
 
-    def _solve(self, lengths: list[int], budgets, coverage=None) -> tuple[Plan, dict]:
-        if self.budgets_mode == "base":  # MoBA at one fixed budget for every sequence
-            plan, fields = self._layout(lengths, [self.budget_options["base"]] * len(lengths))
-            return plan, fields
-        if not self.uses_coverage:
-            return self._layout(lengths, budgets)
-        from jaxsb.planner.dst import floors, tune
-
-        if coverage is None or len(coverage) != len(lengths):
-            raise ValueError(f"{self.name}: budgets='dst' needs one coverage curve per sequence "
-                             f"({len(lengths)} sequences, got {None if coverage is None else len(coverage)})")
-        o = self.budget_options
-        estimate = [self.history.predict(n) for n in lengths]
-        best = None
-        for r in range(self.budget_rounds):
-            plan, fields = self._layout(lengths, estimate)
-            res = tune(self.cost, plan, coverage, base=o["base"], p=o["p"], anchor=o["anchor"],
-                       max_blocks=o["max_blocks"], per_document=True, raise_to="free")
-            plan = plan.with_budgets(res.budgets)
-            plan = dataclasses.replace(plan, predicted_ms=self.cost.plan_time_ms(plan))
-            if best is None or plan.predicted_ms < best[0].predicted_ms - 1e-9:
-                best = (plan, fields, r)
-            estimate = list(res.budgets)
-        plan, fields, r = best
-        self.history.update(lengths, plan.budgets)
-        lower = self._lower_bound(lengths, floors(coverage, o["base"], o["p"]))  # no budget below its floor
-        return plan, dict(fields, lower_bound_ms=lower, predicted_ms=plan.predicted_ms, budget_round=r)
-
-    def _lower_bound(self, lengths: list[int], budgets) -> float:
-        """Micro-batch overheads times the fewest micro-batches that fit, plus the work beyond."""
+    def lower_bound_at(self, lengths: list[int], budgets) -> float:
+        """Micro-batch overheads times the fewest micro-batches that fit, plus the work beyond,
+        with sequence i at budgets[i] or more."""
         T, Mm = self.lin.tables(lengths, budgets)
         m_min, beyond = simple_lower_bound(T, Mm, self.lin.fits(Mm), self.lin, lengths, parts=True)
         return float(m_min * float(self.lin.base_time.min()) + beyond)
 
-    def _layout(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
+    def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         deadline = time.perf_counter() + self.time_limit_s
         n = len(lengths)
         if n == 0:

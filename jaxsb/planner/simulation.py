@@ -286,7 +286,7 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print, cover
             if getattr(planner, "uses_coverage", False):
                 rec["details"] = json.loads(json.dumps(dict(info.details), default=str))
             if plan.budgets is not None and curves_of[step] is not None:
-                base = getattr(planner, "base", None) or planner.budget_options["base"]
+                base = getattr(planner, "base", None) or planner.budgeting.base
                 _budget_records(rec, plan, curves_of[step], base)
             if not rec["feasible"]:
                 log(f"warning: {name} step {step}: plan needs {mem:.0f} MB per device, "

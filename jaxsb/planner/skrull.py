@@ -30,7 +30,7 @@ from typing import Sequence
 import numpy as np
 
 from jaxsb.plan import SHARDED, GroupSpec, Plan, PlanError, Runnable, build_plan
-from jaxsb.planner.base import PlannerBase, check_scheme, check_ulysses_degree, resolve_align
+from jaxsb.planner.base import PlannerBase, check_options, check_scheme, check_ulysses_degree, resolve_align
 from jaxsb.planner.cost import token_capacity as cost_token_capacity
 from jaxsb.planner.skrull_cost import SkrullCost
 
@@ -73,7 +73,11 @@ class SkrullPlanner(PlannerBase):
     def __init__(self, cost, num_devices: int, *, dp: int | None = None, cp: int | None = None,
                  seqs_per_dp_rank: int | None = None, time_limit_s: float = 1.0, scheme: str = "ring",
                  all_sharded: bool = False, gds: bool | None = None, extra_microbatches: int = 0,
-                 token_capacity: int | None = None, align: int = 1, runnable: Runnable | None = None):
+                 token_capacity: int | None = None, align: int = 1, runnable: Runnable | None = None,
+                 **options):
+        self.cost = cost
+        self.init_budgeting(options)
+        check_options(self.name, options)
         if num_devices < 1:
             raise ValueError(f"{num_devices=} must be >= 1")
         if cp is None:

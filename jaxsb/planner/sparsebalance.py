@@ -37,40 +37,18 @@ budget. Its lower bound: `pp_lower_bound_ms` at every sequence's floor.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Sequence
 
 import numpy as np
 
 from jaxsb.plan import GroupSpec, PlanError, build_plan
 from jaxsb.planner.base import PlannerBase, check_options
+from jaxsb.planner.budgeting import BudgetHistory
 from jaxsb.planner.coverage import coverage_at
 from jaxsb.planner.dst import ANCHORS, floors, tune
 from jaxsb.planner.pipeline_cost import check_pipeline_sizes, pp_lower_bound_ms
 
 BATCHINGS = ("none", "sab", "lbb")
-
-
-class BudgetHistory:
-    """Moving average of chosen budgets per log2 block-count bin (SAB's k~(L))."""
-
-    def __init__(self, base: int, block: int, momentum: float = 0.5):
-        self.base, self.block, self.momentum = int(base), int(block), float(momentum)
-        self.mean: dict[int, float] = {}
-
-    def bin(self, length: int) -> int:
-        return int(math.ceil(math.log2(max(1, -(-int(length) // self.block)))))
-
-    def predict(self, length: int) -> int:
-        return max(1, int(round(self.mean.get(self.bin(length), self.base))))
-
-    def update(self, lengths: Sequence[int], budgets: Sequence[int]) -> None:
-        seen: dict[int, list[int]] = {}
-        for n, k in zip(lengths, budgets):
-            seen.setdefault(self.bin(n), []).append(min(int(k), -(-int(n) // self.block)) if k > self.base else int(k))
-        for b, ks in seen.items():
-            old = self.mean.get(b, float(self.base))
-            self.mean[b] = self.momentum * old + (1 - self.momentum) * float(np.mean(ks))
 
 
 def balanced_partition(weights: Sequence[float], bins: int, capacity: int | None = None,

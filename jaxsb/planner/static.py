@@ -59,6 +59,8 @@ class StaticPlanner(PlannerBase):
     def __init__(self, cost: CostModel, num_devices: int, *, time_limit_s: float | None = None,
                  scheme: str = "ulysses", degree: int | None = None, fill: float = 0.9,
                  even_min_degree: int = 16, align: int = 1, runnable: Runnable | None = None, **options):
+        self.cost = cost
+        self.init_budgeting(options)
         check_options(self.name, options)
         degree = num_devices if degree is None else int(degree)
         if not 1 <= degree <= num_devices:
@@ -143,6 +145,8 @@ class BatchAdaptivePlanner(PlannerBase):
                  scheme: str = "ulysses", degrees: Sequence[int] | None = None,
                  skip_degrees: Sequence[int] = (), fill: float = 0.9, even_min_degree: int = 16,
                  align: int = 1, runnable: Runnable | None = None, **options):
+        self.cost = cost
+        self.init_budgeting(options)
         check_options(self.name, options)
         check_scheme(self.name, scheme)
         degrees = pow2_degrees(num_devices) if degrees is None else degrees

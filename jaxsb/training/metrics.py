@@ -163,6 +163,7 @@ class PlanTally:
         self.measured_ms: list[float] = []
         self.budgets: list[float] = []  # mean key blocks selected per query block
         self.floor: dict[str, list[float]] = {"planned": [], "final": [], "overridden": []}  # the runtime floor
+        self.drop_max: float | None = None  # the largest coverage drop of any document in the run (measured)
 
     def add(self, record: dict) -> None:
         if "plan" in record:
@@ -175,6 +176,8 @@ class PlanTally:
         for key, values in self.floor.items():
             if record.get(f"sparse_floor_{key}") is not None:
                 values.append(float(record[f"sparse_floor_{key}"]))
+        if record.get("sparse_floor_drop_max") is not None:
+            self.drop_max = max(self.drop_max or 0.0, float(record["sparse_floor_drop_max"]))
 
     def as_dict(self) -> dict:
         out: dict[str, Any] = {"layouts": dict(self.layouts.most_common())}
@@ -187,6 +190,8 @@ class PlanTally:
         if self.budgets:
             out["sparse_blocks_mean"] = float(np.mean(self.budgets))
         out |= {f"sparse_floor_{key}_mean": float(np.mean(v)) for key, v in self.floor.items() if v}
+        if self.drop_max is not None:
+            out["sparse_floor_drop_max"] = self.drop_max
         return out
 
     def lines(self, shown: int = 6) -> list[str]:
@@ -209,5 +214,8 @@ class PlanTally:
                      f"{d['sparse_floor_final_mean']:.2f} blocks, raising "
                      f"{100 * d['sparse_floor_overridden_mean']:.1f}% of query blocks"
                      if "sparse_floor_overridden_mean" in d else "")
+            if "sparse_floor_drop_max" in d:
+                floor += (f"; no document lost more than {d['sparse_floor_drop_max']:.3f} of its coverage "
+                          "against the base budget")
             out.append(f"sparse budgets: {d['sparse_blocks_mean']:.2f} key blocks per query block on average{floor}")
         return out

@@ -169,8 +169,9 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
             record["sparse_budget"] = model_cfg.sparse.start_budget
             record["sparse_blocks"] = sparse_blocks  # mean selected per query block
             record["sparse_coverage"] = float(metrics["sparse_coverage"])
-            # the runtime floor (model.sparse.coverage_drop): token-weighted means over the layers
-            for key in ("floor_planned", "floor_final", "floor_overridden"):
+            # the runtime floor (model.sparse.coverage_drop): token-weighted means over the layers,
+            # and the largest drop / smallest coverage of any document in any layer (measured)
+            for key in ("floor_planned", "floor_final", "floor_overridden", "floor_drop_max", "floor_coverage_min"):
                 if key in metrics:
                     record[f"sparse_{key}"] = float(metrics[key])
             if "attn_block_pairs" in metrics:  # counted from the kernels' tables, per device

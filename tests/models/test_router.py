@@ -232,7 +232,8 @@ def test_coverage_curves_match_numpy():
 def _numpy_floor(scores, routed, planned, base, p, max_k):
     """The runtime floor from the same scores, in float64 numpy: per (row, kv head, query block)
     the sorted softmax masses' running sum (1 once k covers the visible blocks), averaged over
-    kv heads and the query blocks of the block's document; override when C(base) - C(k) > p."""
+    kv heads and the query blocks of the block's document; override when C(base) - C(k) > p.
+    Returns (final, overridden, C(final), C(base) - C(final)) per (row, query block)."""
     B, Kh, nq, _ = scores.shape
     curves = np.zeros((B, Kh, nq, max_k))
     for b, kh, n in np.ndindex(B, Kh, nq):
@@ -242,6 +243,7 @@ def _numpy_floor(scores, routed, planned, base, p, max_k):
         c = np.cumsum(w)
         curves[b, kh, n] = [1.0 if kk >= len(s) else min(c[kk - 1], 1.0) for kk in range(1, max_k + 1)]
     final, over = planned.copy(), np.zeros_like(planned, bool)
+    cov, drop = np.zeros(planned.shape), np.zeros(planned.shape)
     for b, n in np.ndindex(B, nq):
         d = routed[b, n]
         blocks = np.nonzero(routed[b] == d)[0] if d > 0 else [n]
@@ -250,7 +252,9 @@ def _numpy_floor(scores, routed, planned, base, p, max_k):
         if d > 0 and C[kb - 1] - C[planned[b, n] - 1] > p:
             over[b, n] = True
             final[b, n] = 1 + sum(C[kk - 1] < C[kb - 1] - p for kk in range(1, kb))
-    return final, over
+        cov[b, n] = C[final[b, n] - 1]
+        drop[b, n] = C[kb - 1] - cov[b, n]
+    return final, over, cov, drop
 
 
 @pytest.mark.parametrize("base,p", [(4, 0.05), (3, 0.2), (6, 0.0)])
@@ -263,13 +267,18 @@ def test_runtime_floor_matches_numpy(base, p):
     per_token = np.repeat(budgets, BS, axis=1)[:, :T]
     scores, _ = block_scores(jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), BS)
     routed = np.concatenate([seg, np.zeros((2, NB * BS - T), int)], 1)[:, ::BS]
-    want_final, want_over = _numpy_floor(np.asarray(scores, np.float64), routed, budgets, base, p, NB)
+    want_final, want_over, want_cov, want_drop = _numpy_floor(np.asarray(scores, np.float64), routed, budgets,
+                                                              base, p, NB)
     _, counts, cov = jax.jit(route, static_argnames=("block_size", "floor"))(
         jnp.asarray(q), jnp.asarray(k), jnp.asarray(seg), jnp.asarray(per_token), block_size=BS, floor=(base, p))
     np.testing.assert_array_equal(np.asarray(cov.floor.planned), budgets)
     np.testing.assert_array_equal(np.asarray(cov.floor.overridden), want_over)
     np.testing.assert_array_equal(np.asarray(cov.floor.final), want_final)
     assert want_over.any() and not want_over.all()
+    np.testing.assert_allclose(np.asarray(cov.floor.coverage), want_cov, **tol("router_coverage", np.float32))
+    np.testing.assert_allclose(np.asarray(cov.floor.drop), want_drop, **tol("router_coverage", np.float32))
+    real = routed > 0
+    assert (want_drop[real] <= p + 1e-12).all()  # the floor's guarantee, for every routed document
     eligible = np.isfinite(np.asarray(scores)).sum(-1)
     np.testing.assert_array_equal(np.asarray(counts), np.minimum(want_final[:, None, :], eligible))
     # raised budgets are never touched, p >= 1 never overrides

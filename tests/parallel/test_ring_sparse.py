@@ -65,7 +65,9 @@ def _token_weighted_stats(qr, kr, seg, bud, floor=None):
     if floor is None:
         return blocks, cov, None
     f = coverage.floor
-    return blocks, cov, ((np.asarray(f.final) * w).sum() / w.sum(), (np.asarray(f.overridden) * w).sum() / w.sum())
+    real = w > 0
+    return blocks, cov, ((np.asarray(f.final) * w).sum() / w.sum(), (np.asarray(f.overridden) * w).sum() / w.sum(),
+                         max(0.0, np.asarray(f.drop)[real].max()), min(1.0, np.asarray(f.coverage)[real].min()))
 
 
 def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense=False,
@@ -107,6 +109,9 @@ def _compare(degrees, seed, budget_choices, dtype=jnp.float32, grads=True, dense
     if floor is not None:
         np.testing.assert_allclose(weighted(stats["floor_final"]), ref_floor[0], rtol=1e-6)
         np.testing.assert_allclose(weighted(stats["floor_overridden"]), ref_floor[1], rtol=1e-6)
+        # the worst document over every device == over the reference rows
+        np.testing.assert_allclose(np.max(stats["floor_drop_max"]), ref_floor[2], **tol("router_coverage", "float32"))
+        np.testing.assert_allclose(np.min(stats["floor_coverage_min"]), ref_floor[3], **tol("router_coverage", "float32"))
         return np.asarray(blocks), ref_floor
     return np.asarray(blocks)
 
@@ -121,8 +126,10 @@ def test_mixed_budgets_f32(degrees):
 def test_runtime_floor_equals_the_single_row_floor(degrees):
     """Planned budgets below the base: the floor raises some documents (their curves averaged
     over every rank of the ring) exactly as route() does on the same documents in one row."""
-    _, (final, overridden) = _compare(degrees, seed=11 + len(degrees), budget_choices=[1, 2], floor=(4, 0.05))
+    _, (final, overridden, drop_max, coverage_min) = _compare(degrees, seed=11 + len(degrees), budget_choices=[1, 2],
+                                                              floor=(4, 0.05))
     assert 0 < overridden < 1, "the case must exercise the floor on some documents and not others"
+    assert 0 <= drop_max <= 0.05 + 1e-6 and 0 < coverage_min < 1  # the floor's bound p, measured
 
 
 def test_ties_go_to_the_lower_stream_block():

@@ -43,18 +43,22 @@ def test_plan_tally_counts_layouts_and_compares_steps_that_compiled_nothing():
         dict(plan="4,4", compiled_now=False, predicted_step_ms=200.0, measured_step_ms=200.0),
         dict(plan="4,4", compiled_now=False, predicted_step_ms=100.0, measured_step_ms=400.0),
         dict(plan="4,4|1,1,1,1,1,1,1,1", compiled_now=False, predicted_step_ms=300.0, measured_step_ms=300.0,
-             sparse_blocks=3.0, sparse_floor_planned=2.0, sparse_floor_final=3.0, sparse_floor_overridden=0.25),
+             sparse_blocks=3.0, sparse_floor_planned=2.0, sparse_floor_final=3.0, sparse_floor_overridden=0.25,
+             sparse_floor_drop_max=0.0625),
+        dict(plan="4,4", compiled_now=True, sparse_floor_drop_max=0.09375),  # the run's largest drop
     ]
     records.insert(3, dict(plan="4,4", compiled_now=False, predicted_step_ms=None, measured_step_ms=900.0))
     for r in records:
         tally.add(r)
     d = tally.as_dict()
-    assert d["layouts"] == {"4,2,1,1": 2, "4,4": 3, "4,4|1,1,1,1,1,1,1,1": 1}
+    assert d["layouts"] == {"4,2,1,1": 2, "4,4": 4, "4,4|1,1,1,1,1,1,1,1": 1}
     assert d["steps_compared"] == 4  # the compiling step and the one without a prediction are left out
     assert d["predicted_step_ms_mean"] == pytest.approx(175.0) and d["measured_step_ms_mean"] == pytest.approx(262.5)
     assert d["measured_over_predicted_median"] == pytest.approx(1.25)  # median of 1.5, 1, 4, 1
     assert d["sparse_floor_overridden_mean"] == 0.25 and d["sparse_blocks_mean"] == 3.0
+    assert d["sparse_floor_drop_max"] == 0.09375
     lines = tally.lines(shown=2)
-    assert lines[0].endswith("over 6 steps: 4,4 x3, 4,2,1,1 x2, and 1 more")
+    assert lines[0].endswith("over 7 steps: 4,4 x4, 4,2,1,1 x2, and 1 more")
     assert "over the 4 steps that compiled nothing: mean 175 ms vs 262 ms (median measured / predicted 1.25)" in lines[1]
     assert "from 2.00 planned to 3.00 blocks, raising 25.0% of query blocks" in lines[2]
+    assert "no document lost more than 0.094 of its coverage against the base budget" in lines[2]
