@@ -31,7 +31,6 @@ import numpy as np
 from jaxsb.planner.dst import ANCHORS, floors, tune
 
 BUDGET_MODES = ("fixed", "base", "dst")
-BUDGET_OPTIONS = ("budgets", "base_budget", "max_blocks", "coverage_drop", "anchor", "budget_rounds")
 
 
 class BudgetHistory:
@@ -70,8 +69,9 @@ class Budgeting:
 
     @classmethod
     def from_options(cls, name: str, options: dict, cost) -> "Budgeting | None":
-        """Pops the budget options (BUDGET_OPTIONS) from a planner's `options`; None for
-        budgets="fixed". ValueError naming the planner and the option for a bad value."""
+        """Pops the budget options (budgets, base_budget, max_blocks, coverage_drop, anchor,
+        budget_rounds) from a planner's `options`; None for budgets="fixed". ValueError naming
+        the planner and the option for a bad value."""
         mode = options.pop("budgets", "fixed")
         base = int(options.pop("base_budget", 32))
         max_blocks = int(options.pop("max_blocks", None) or 2 * base)
