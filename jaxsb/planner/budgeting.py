@@ -33,6 +33,16 @@ from jaxsb.planner.dst import ANCHORS, floors, tune
 BUDGET_MODES = ("fixed", "base", "dst")
 
 
+def check_budget_settings(name: str, base: int, max_blocks: int, p: float, anchor: str) -> None:
+    """ValueError naming planner `name` and the setting when a budget setting is out of range."""
+    if not 1 <= base <= max_blocks:
+        raise ValueError(f"{name}: base budget {base} must lie in [1, max_blocks={max_blocks}]")
+    if not 0 <= p < 1:
+        raise ValueError(f"{name}: coverage_drop {p} must lie in [0, 1)")
+    if anchor not in ANCHORS:
+        raise ValueError(f"{name}: anchor must be one of {ANCHORS}, got {anchor!r}")
+
+
 class BudgetHistory:
     """Moving average of chosen budgets per log2 block-count bin (SAB's k~(L))."""
 
@@ -82,12 +92,7 @@ class Budgeting:
             raise ValueError(f"{name}: budgets must be 'fixed' (as given), 'base' or 'dst', got {mode!r}")
         if mode == "fixed":
             return None
-        if not 1 <= base <= max_blocks:
-            raise ValueError(f"{name}: base_budget {base} must lie in [1, max_blocks={max_blocks}]")
-        if not 0 <= p < 1:
-            raise ValueError(f"{name}: coverage_drop {p} must lie in [0, 1)")
-        if anchor not in ANCHORS:
-            raise ValueError(f"{name}: anchor must be one of {ANCHORS}, got {anchor!r}")
+        check_budget_settings(name, base, max_blocks, p, anchor)
         if rounds < 1:
             raise ValueError(f"{name}: budget_rounds {rounds} must be >= 1")
         return cls(mode, base, max_blocks, p, anchor, rounds, BudgetHistory(base, getattr(cost, "block", 128)))

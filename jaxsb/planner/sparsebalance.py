@@ -43,9 +43,9 @@ import numpy as np
 
 from jaxsb.plan import GroupSpec, PlanError, build_plan
 from jaxsb.planner.base import PlannerBase, check_options
-from jaxsb.planner.budgeting import BudgetHistory
+from jaxsb.planner.budgeting import BudgetHistory, check_budget_settings
 from jaxsb.planner.coverage import coverage_at
-from jaxsb.planner.dst import ANCHORS, floors, tune
+from jaxsb.planner.dst import floors, tune
 from jaxsb.planner.pipeline_cost import check_pipeline_sizes, pp_lower_bound_ms
 
 BATCHINGS = ("none", "sab", "lbb")
@@ -82,16 +82,11 @@ class _PipelinePlanner(PlannerBase):
         if getattr(cost, "setting", "") != "pipeline":
             raise ValueError(f"{self.name}: plans DP x PP pipelines; use a sparsebalance-h200 preset "
                              f"(cost model {getattr(cost, 'name', cost)!r} plans sequence-parallel groups)")
-        if anchor not in ANCHORS:
-            raise ValueError(f"{self.name}: anchor must be one of {ANCHORS}, got {anchor!r}")
-        if not 0 <= coverage_drop < 1:
-            raise ValueError(f"{self.name}: coverage_drop {coverage_drop} must lie in [0, 1)")
         self.cost, self.dp, self.mbs, self.global_batch = cost, int(num_devices), int(mbs), global_batch
         self.p, self.anchor = float(coverage_drop), anchor
         self.base = int(base_budget or cost.base_budget)
         self.max_blocks = int(max_blocks or 2 * self.base)
-        if not 1 <= self.base <= self.max_blocks:
-            raise ValueError(f"{self.name}: base budget {self.base} must lie in [1, max_blocks={self.max_blocks}]")
+        check_budget_settings(self.name, self.base, self.max_blocks, self.p, anchor)
         self.history = BudgetHistory(self.base, cost.block, history_momentum)
         self._more_options(options)
         check_options(self.name, options)

@@ -431,7 +431,7 @@ def test_budget_options_are_checked_for_every_planner():
             make_planner(kind, cost, 8, budgets="dense")
         with pytest.raises(ValueError, match="coverage_drop 1.0 must lie in"):
             make_planner(kind, cost, 8, budgets="dst", coverage_drop=1.0)
-        with pytest.raises(ValueError, match="base_budget 50 must lie in"):
+        with pytest.raises(ValueError, match="base budget 50 must lie in"):
             make_planner(kind, cost, 8, budgets="dst", base_budget=50, max_blocks=40)
         with pytest.raises(ValueError, match="needs one coverage curve"):
             make_planner(kind, cost, 8, budgets="dst").solve([1024, 2048])
