@@ -13,14 +13,20 @@ The order is fixed (ascending) whatever order the user gave, so results do not d
 
 Three `pl.pallas_call`s, matmuls in the input dtype accumulating in float32 (as the flash
 kernels: flash_attention/pallas.py), all other arithmetic float32:
-  * forward, grid (B, H, nq): program (b, h, i) reads kv head h // G and loops
-    `fori_loop(0, count)` over its table row (a data-dependent trip count: work follows the
-    counts), slicing key block j out of the whole-row k/v with pl.ds; causal + same-segment +
+  * forward, grid (B, H, Tp / tile): program (b, h, t) holds query tile t of query block
+    i = t // nsub, reads kv head h // G and loops `fori_loop(0, count)` over block i's table
+    row (a data-dependent trip count: work follows the counts), slicing each selected key
+    block out of the whole-row k/v with pl.ds, tile by tile; causal + same-segment +
     key-padding mask; online softmax; writes the output and the log-sum-exp (lse);
-  * dQ, grid (B, H, nq): the same walk, recomputes p = exp(s - lse), accumulates dQ;
-  * dK/dV, grid (B, K, nk): one key block per program; loops over the G query heads sharing
-    the kv head and over the query blocks in the bwd table row.
+  * dQ, grid (B, H, Tp / tile): the same walk, recomputes p = exp(s - lse), accumulates dQ;
+  * dK/dV, grid (B, K, Tp / tile): one key tile per program; loops over the G query heads
+    sharing the kv head and over the query blocks in its block's bwd table row, tile by tile.
 delta = rowsum(dO * O) is done in jnp before the backward kernels.
+
+Tiles: a routing block of bs tokens is one tile (nsub = 1: no inner loop) unless its float32
+operands would overflow a GPU's shared memory; then it is split into nsub = bs / tile tiles
+(`sub_tile`), the routing unchanged. On the diagonal block the tiles above the query tile's
+own are skipped (all masked).
 
 Layout inside (as in flash_attention/pallas.py): q/o [B, H, Tp, Dp], k/v [B, K, Tp, Dp], Dp = D
 padded to a power of two >= 16 (Triton wants power-of-two loads and dots >= 16), zeros in the
@@ -57,10 +63,16 @@ class SparseTritonBlocks:
     D: int
     bs: int
     interpret: bool
+    tile: int  # rows of the kernels' q / k tiles: bs, or a divisor of it (sub_tile)
 
     @property
     def nb(self) -> int:
         return -(-self.T // self.bs)
+
+    @property
+    def nsub(self) -> int:
+        """Tiles per routing block."""
+        return self.bs // self.tile
 
     @property
     def Tp(self) -> int:
@@ -75,14 +87,35 @@ class SparseTritonBlocks:
         return 1.0 / math.sqrt(self.D)
 
 
-def make_sparse_triton_blocks(T: int, D: int, block_size: int,
-                              interpret: bool) -> SparseTritonBlocks:
-    """block_size is part of the semantics (it defines the blocks), so it is never changed."""
+# Elements of a float32 q / k tile at most (rows x padded head dim). Triton stages float32
+# (3xTF32) dot operands in shared memory at about twice the bytes of bf16: a 128 x 128 float32
+# tile asks for 394 KB on H100 (227 KB there, 163 KB on A100) and 64 x 128 still 262 KB in the
+# backward, while 64 x 64 and 32 x 128 fit on both (scripts/compile_kernels.py).
+F32_MAX_TILE_ELEMENTS = 64 * 64
+
+
+def sub_tile(block_size: int, itemsize: int, Dp: int) -> int:
+    """The kernels' tile rows for a routing block of head dim Dp: the whole block for 2-byte
+    inputs; for wider ones the largest power-of-two divisor of the block within
+    F32_MAX_TILE_ELEMENTS, at least 16 rows (Triton's smallest dot)."""
+    tile = block_size
+    while itemsize > 2 and tile % 2 == 0 and tile // 2 >= 16 and tile * Dp > F32_MAX_TILE_ELEMENTS:
+        tile //= 2
+    return tile
+
+
+def make_sparse_triton_blocks(T: int, D: int, block_size: int, interpret: bool,
+                              tile: int | None = None) -> SparseTritonBlocks:
+    """block_size is part of the semantics (it defines the blocks), so it is never changed;
+    `tile` (default: the whole block) only splits the kernels' work and must divide it."""
     if not interpret and (block_size & (block_size - 1) or block_size < 16):
         raise ValueError(
             f"{block_size=} must be a power of two >= 16 for compiled Pallas (T={T})"
         )
-    return SparseTritonBlocks(int(T), int(D), int(block_size), bool(interpret))
+    tile = block_size if tile is None else int(tile)
+    if tile < 1 or block_size % tile or (not interpret and tile < 16):
+        raise ValueError(f"{tile=} must divide {block_size=} (and be >= 16 for compiled Pallas)")
+    return SparseTritonBlocks(int(T), int(D), int(block_size), bool(interpret), tile)
 
 
 # ----------------------------------------------------------------------------- host metadata
@@ -119,8 +152,8 @@ def block_tables(block_indices, block_counts, nb: int):
 
 
 def _mask(sq, sk, q_start, k_start, blocks: SparseTritonBlocks):
-    """[bs, bs] bool: same segment, causal, key not padding."""
-    shape = (blocks.bs, blocks.bs)
+    """[tile, tile] bool: same segment, causal, key not padding."""
+    shape = (blocks.tile, blocks.tile)
     qpos = q_start + lax.broadcasted_iota(jnp.int32, shape, 0)
     kpos = k_start + lax.broadcasted_iota(jnp.int32, shape, 1)
     mask = (sq[:, None] == sk[None, :]) & (kpos <= qpos)
@@ -132,20 +165,28 @@ def _mask(sq, sk, q_start, k_start, blocks: SparseTritonBlocks):
     return mask
 
 
+def _tiles(fn, carry, base, lo, hi, blocks: SparseTritonBlocks):
+    """fn(start, carry) over the tiles lo..hi-1 of the routing block at row `base` (start = base +
+    u * tile); a block of one tile is one call, with no loop."""
+    if blocks.nsub == 1:
+        return fn(base, carry)
+    return lax.fori_loop(lo, hi, lambda u, c: fn(base + u * blocks.tile, c), carry)
+
+
 def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                 blocks: SparseTritonBlocks):
-    bs, Dp = blocks.bs, blocks.Dp
-    q_start = pl.program_id(2) * bs
-    q = q_ref[...]  # [bs, Dp]
+    tile, Dp, nsub = blocks.tile, blocks.Dp, blocks.nsub
+    t = pl.program_id(2)  # query tile t: tile a = t % nsub of query block i = t // nsub
+    i, a = t // nsub, t % nsub
+    q = q_ref[...]  # [tile, Dp]
     sq = sq_ref[...]
 
-    def body(s, carry):
+    def key_tile(k_start, carry):
         m, l, acc = carry
-        j = tab_ref[1 + s]
-        k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
+        k_slice = pl.ds(pl.multiple_of(k_start, tile), tile)
         k = k_ref[k_slice, :]
         v = v_ref[k_slice, :]
-        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
+        mask = _mask(sq, sk_ref[k_slice], t * tile, k_start, blocks)
         sc = jnp.where(mask, _mm(q, k, _NT, blocks.interpret) * blocks.scale, NEG)
         m_new = jnp.maximum(m, sc.max(-1))
         p = jnp.where(mask, jnp.exp(sc - m_new[:, None]), 0.0)
@@ -154,10 +195,14 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         acc = alpha[:, None] * acc + _mm(p.astype(v.dtype), v, _NN, blocks.interpret)
         return m_new, l, acc
 
+    def body(s, carry):
+        j = tab_ref[1 + s]  # on the diagonal block, tiles after the query's own are all masked
+        return _tiles(key_tile, carry, j * blocks.bs, 0, jnp.where(j == i, a + 1, nsub), blocks)
+
     init = (
-        jnp.full((bs,), NEG, jnp.float32),
-        jnp.zeros((bs,), jnp.float32),
-        jnp.zeros((bs, Dp), jnp.float32),
+        jnp.full((tile,), NEG, jnp.float32),
+        jnp.zeros((tile,), jnp.float32),
+        jnp.zeros((tile, Dp), jnp.float32),
     )
     m, l, acc = lax.fori_loop(0, tab_ref[0], body, init)
     l = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing: acc = 0, output 0
@@ -167,45 +212,49 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
 
 def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *, blocks: SparseTritonBlocks):
-    bs, Dp = blocks.bs, blocks.Dp
-    q_start = pl.program_id(2) * bs
+    tile, Dp, nsub = blocks.tile, blocks.Dp, blocks.nsub
+    t = pl.program_id(2)
+    i, a = t // nsub, t % nsub
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
     delta = delta_ref[...]
     sq = sq_ref[...]
 
-    def body(s, dq):
-        j = tab_ref[1 + s]
-        k_slice = pl.ds(pl.multiple_of(j * bs, bs), bs)
+    def key_tile(k_start, dq):
+        k_slice = pl.ds(pl.multiple_of(k_start, tile), tile)
         k = k_ref[k_slice, :]
         v = v_ref[k_slice, :]
-        mask = _mask(sq, sk_ref[k_slice], q_start, j * bs, blocks)
+        mask = _mask(sq, sk_ref[k_slice], t * tile, k_start, blocks)
         p = jnp.where(mask, jnp.exp(_mm(q, k, _NT, blocks.interpret) * blocks.scale - lse[:, None]), 0.0)
         ds = p * (_mm(do, v, _NT, blocks.interpret) - delta[:, None])
         return dq + _mm(ds.astype(k.dtype), k, _NN, blocks.interpret)
 
-    dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((bs, Dp), jnp.float32))
+    def body(s, dq):
+        j = tab_ref[1 + s]
+        return _tiles(key_tile, dq, j * blocks.bs, 0, jnp.where(j == i, a + 1, nsub), blocks)
+
+    dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((tile, Dp), jnp.float32))
     dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                 dk_ref, dv_ref, *, blocks: SparseTritonBlocks, G: int):
-    bs, Dp = blocks.bs, blocks.Dp
-    k_start = pl.program_id(2) * bs
-    k = k_ref[...]  # [bs, Dp]
+    tile, Dp, nsub = blocks.tile, blocks.Dp, blocks.nsub
+    t = pl.program_id(2)  # key tile t: tile u = t % nsub of key block j = t // nsub
+    j, u = t // nsub, t % nsub
+    k = k_ref[...]  # [tile, Dp]
     v = v_ref[...]
     sk = sk_ref[...]
     n = tab_ref[0]
 
     def per_head(g, carry):
-        def body(t, carry):
+        def query_tile(q_start, carry):
             dk, dv = carry
-            i = tab_ref[1 + t]
-            q_slice = pl.ds(pl.multiple_of(i * bs, bs), bs)
+            q_slice = pl.ds(pl.multiple_of(q_start, tile), tile)
             q = q_ref[g, q_slice, :]
             do = do_ref[g, q_slice, :]
-            mask = _mask(sq_ref[q_slice], sk, i * bs, k_start, blocks)
+            mask = _mask(sq_ref[q_slice], sk, q_start, t * tile, blocks)
             s = _mm(q, k, _NT, blocks.interpret) * blocks.scale
             p = jnp.where(mask, jnp.exp(s - lse_ref[g, q_slice][:, None]), 0.0)
             dv = dv + _mm(p.astype(do.dtype), do, _TN, blocks.interpret)
@@ -213,9 +262,13 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
             dk = dk + _mm(ds.astype(q.dtype), q, _TN, blocks.interpret)  # the scale is applied once, at the end
             return dk, dv
 
+        def body(r, carry):
+            i = tab_ref[1 + r]  # on the diagonal block, query tiles before the key's own see none of it
+            return _tiles(query_tile, carry, i * blocks.bs, jnp.where(i == j, u, 0), nsub, blocks)
+
         return lax.fori_loop(0, n, body, carry)
 
-    zeros = jnp.zeros((bs, Dp), jnp.float32)
+    zeros = jnp.zeros((tile, Dp), jnp.float32)
     dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
     dk_ref[...] = (dk * blocks.scale).astype(dk_ref.dtype)
     dv_ref[...] = dv.astype(dv_ref.dtype)
@@ -236,23 +289,23 @@ def _unlayout(x_BxNxTpxDp, blocks: SparseTritonBlocks, dtype):
 def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
     B, _, H, _ = q.shape
     G = H // k.shape[2]
-    bs, Dp, Tp = blocks.bs, blocks.Dp, blocks.Tp
+    tile, nsub, Dp, Tp = blocks.tile, blocks.nsub, blocks.Dp, blocks.Tp
     W = fwd_tab.shape[-1]
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
     return pl.pallas_call(
         functools.partial(_fwd_kernel, blocks=blocks),
-        grid=(B, H, blocks.nb),
+        grid=(B, H, Tp // tile),  # one program per query tile t (of routing block t // nsub)
         in_specs=[
-            pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),  # table row
-            pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),  # query segment ids
-            pl.BlockSpec((None, Tp), lambda b, h, i: (b, 0)),  # key segment ids (whole row)
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # q block
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k row
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v row
+            pl.BlockSpec((None, None, None, W), lambda b, h, t: (b, h // G, t // nsub, 0)),  # table row
+            pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),  # query segment ids
+            pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),  # key segment ids (whole row)
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # q tile
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # k row
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # v row
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
-            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
+            pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
@@ -269,7 +322,7 @@ def _backward(blocks: SparseTritonBlocks, res, do):
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
-    bs, Dp, Tp = blocks.bs, blocks.Dp, blocks.Tp
+    tile, nsub, Dp, Tp = blocks.tile, blocks.nsub, blocks.Dp, blocks.Tp
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
     qt, kt, vt = _layout(q, blocks), _layout(k, blocks), _layout(v, blocks)
     dot = _layout(do, blocks)  # padded rows and columns get a zero cotangent
@@ -278,19 +331,19 @@ def _backward(blocks: SparseTritonBlocks, res, do):
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, blocks=blocks),
-        grid=(B, H, blocks.nb),
+        grid=(B, H, Tp // tile),
         in_specs=[
-            pl.BlockSpec((None, None, None, W), lambda b, h, i: (b, h // G, i, 0)),
-            pl.BlockSpec((None, bs), lambda b, h, i: (b, i)),
-            pl.BlockSpec((None, Tp), lambda b, h, i: (b, 0)),
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # q
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),  # do
-            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),  # lse
-            pl.BlockSpec((None, None, bs), lambda b, h, i: (b, h, i)),  # delta
+            pl.BlockSpec((None, None, None, W), lambda b, h, t: (b, h // G, t // nsub, 0)),
+            pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),
+            pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # q
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # k
+            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # v
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # do
+            pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),  # lse
+            pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),  # delta
         ],
-        out_specs=pl.BlockSpec((None, None, bs, Dp), lambda b, h, i: (b, h, i, 0)),
+        out_specs=pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret),
@@ -302,21 +355,21 @@ def _backward(blocks: SparseTritonBlocks, res, do):
     Wb = bwd_tab.shape[-1]
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, blocks=blocks, G=G),
-        grid=(B, K, blocks.nb),
+        grid=(B, K, Tp // tile),  # one program per key tile t (of routing block t // nsub)
         in_specs=[
-            pl.BlockSpec((None, None, None, Wb), lambda b, h, j: (b, h, j, 0)),  # table row
-            pl.BlockSpec((None, Tp), lambda b, h, j: (b, 0)),  # query segment ids (row)
-            pl.BlockSpec((None, bs), lambda b, h, j: (b, j)),  # key segment ids (block)
-            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # q
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),  # k
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),  # v
-            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # do
-            pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0)),  # lse
-            pl.BlockSpec((None, None, G, Tp), lambda b, h, j: (b, h, 0, 0)),  # delta
+            pl.BlockSpec((None, None, None, Wb), lambda b, h, t: (b, h, t // nsub, 0)),  # table row
+            pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),  # query segment ids (row)
+            pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),  # key segment ids (tile)
+            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, t: (b, h, 0, 0, 0)),  # q
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # k
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # v
+            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, t: (b, h, 0, 0, 0)),  # do
+            pl.BlockSpec((None, None, G, Tp), lambda b, h, t: (b, h, 0, 0)),  # lse
+            pl.BlockSpec((None, None, G, Tp), lambda b, h, t: (b, h, 0, 0)),  # delta
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),
-            pl.BlockSpec((None, None, bs, Dp), lambda b, h, j: (b, h, j, 0)),
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
+            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((B, K, Tp, Dp), k.dtype),
@@ -350,14 +403,19 @@ _sparse.defvjp(_sparse_fwd, _backward)
 
 
 def block_sparse_attention_pallas(
-    q, k, v, block_indices, block_counts, segment_ids, block_size: int, interpret: bool
+    q, k, v, block_indices, block_counts, segment_ids, block_size: int, interpret: bool,
+    tile: int | None = None,
 ):
     """Arguments are assumed checked (see ops.block_sparse_attention).
 
     interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
+    tile: the kernels' tile rows (default sub_tile: the whole block, split for float32 within
+    F32_MAX_TILE_ELEMENTS); the result does not depend on it.
     """
     B, T, _, D = q.shape
-    blocks = make_sparse_triton_blocks(T, D, block_size, interpret)
+    if tile is None:
+        tile = sub_tile(block_size, jnp.dtype(q.dtype).itemsize, max(16, _next_pow2(D)))
+    blocks = make_sparse_triton_blocks(T, D, block_size, interpret, tile)
     seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids.astype(jnp.int32)
     idx = lax.stop_gradient(block_indices)
     counts = lax.stop_gradient(block_counts)

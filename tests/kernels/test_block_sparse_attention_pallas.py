@@ -82,6 +82,24 @@ class TestBlockSparseAttentionPallas:
         want = _out_and_vjp(self._sparse(idx, counts, seg, bs, "reference"), (q, k, v))
         _assert_close(got, want, dtype)
 
+    @pytest.mark.parametrize("case, tile, dtype", [
+        (CASES[1], 16, jnp.float32), (CASES[2], 16, jnp.float32), (CASES[2], 32, jnp.bfloat16),
+    ], ids=["bs32-tile16-f32", "bs64-tile16-f32", "bs64-tile32-bf16"])
+    def test_sub_tiles_match_reference(self, case, tile, dtype):
+        """A routing block split into tiles (as float32 is on GPU, bsa_pallas.sub_tile: its
+        shared memory) computes the same attention and gradients: diagonal blocks skip the
+        masked tiles, every other selected block is walked tile by tile."""
+        _, H, K, D, bs, budgets, M = case
+        B = len(SEG_MAIN)
+        q, k, v = _inputs(B, T_MAIN, H, K, D, dtype)
+        seg = _segments(T_MAIN, SEG_MAIN)
+        idx, counts = _random_blocks(B, K, -(-T_MAIN // bs), M, budgets, seed=2)
+        tiled = lambda q, k, v: bsa_pallas.block_sparse_attention_pallas(  # noqa: E731
+            q, k, v, idx, counts, seg, bs, self.INTERPRET, tile=tile)
+        got = _out_and_vjp(tiled, (q, k, v))
+        want = _out_and_vjp(self._sparse(idx, counts, seg, bs, "reference"), (q, k, v))
+        _assert_close(got, want, dtype)
+
     @pytest.mark.parametrize(
         "H, K, docs", [(4, 4, SEG_MAIN), (4, 2, None), (4, 1, SEG_MAIN)],
         ids=["gqa1-docs", "gqa2-one-doc", "gqa4-docs"],
@@ -206,6 +224,75 @@ class TestBlockSparseAttentionPallas:
             want = block_sparse_attention(q, k, v, idx, counts, seg, bs, "reference")
             np.testing.assert_allclose(f(idx, counts), want, **tol("attention_out", jnp.float32))
         assert f._cache_size() == 1
+
+
+@pytest.mark.compiled
+class TestBlockSparseAttentionPallasCompiled(TestBlockSparseAttentionPallas):
+    INTERPRET = False
+
+
+# ------------------------------------------------------------------ host-side logic (CPU only)
+
+
+def test_block_tables_match_a_brute_force():
+    """fwd rows: count, then the distinct valid in-range non-future entries ascending; bwd rows:
+    the same relation transposed (which query blocks selected each key block)."""
+    rng = np.random.default_rng(14)
+    B, K, nq, M = 2, 3, 6, 5
+    idx = rng.integers(-3, nq + 3, size=(B, K, nq, M)).astype(np.int32)
+    counts = rng.integers(-1, M + 2, size=(B, K, nq)).astype(np.int32)
+    tables = bsa_pallas.block_tables(jnp.asarray(idx), jnp.asarray(counts), nq)
+    fwd, bwd = (np.asarray(t) for t in tables)
+    assert fwd.shape == (B, K, nq, 1 + M) and bwd.shape == (B, K, nq, 1 + nq)
+    sel = np.zeros((B, K, nq, nq), bool)
+    for b in range(B):
+        for k in range(K):
+            for n in range(nq):
+                listed = idx[b, k, n, : max(counts[b, k, n], 0)]
+                chosen = sorted({int(j) for j in listed if 0 <= j <= n})
+                sel[b, k, n, chosen] = True
+                assert fwd[b, k, n, 0] == len(chosen)
+                assert list(fwd[b, k, n, 1 : 1 + len(chosen)]) == chosen
+    for b in range(B):
+        for k in range(K):
+            for j in range(nq):
+                qs = list(np.nonzero(sel[b, k, :, j])[0])
+                assert bwd[b, k, j, 0] == len(qs)
+                assert list(bwd[b, k, j, 1 : 1 + len(qs)]) == qs
+    assert sel.sum() > 0 and (~sel).sum() > 0
+
+
+def test_dispatch():
+    """"pallas" reaches the kernels (interpreted on CPU); "auto" is "xla" on CPU; compiled
+    Pallas on CPU is refused with a clear message; compiled blocks must be powers of two."""
+    T, bs = 64, 32
+    q, k, v = _inputs(1, T, 2, 1, 16, jnp.float32)
+    idx = jnp.zeros((1, 1, 2, 2), jnp.int32).at[..., 0].set(jnp.arange(2))
+    counts = jnp.full((1, 1, 2), 2, jnp.int32)
+    f = lambda impl, **kw: (  # noqa: E731
+        lambda q: block_sparse_attention(q, k, v, idx, counts, None, bs, impl, **kw)
+    )
+    assert "pallas_call" in str(jax.make_jaxpr(f("pallas"))(q))
+    if jax.default_backend() == "cpu":
+        assert "pallas_call" not in str(jax.make_jaxpr(f("auto"))(q))
+        with pytest.raises(ValueError, match="interpret=True"):
+            f("pallas", interpret=False)(q)
+    with pytest.raises(ValueError, match="block_size=24"):
+        bsa_pallas.make_sparse_triton_blocks(75, 16, 24, interpret=False)
+    with pytest.raises(ValueError, match="tile=48 must divide block_size=64"):
+        bsa_pallas.make_sparse_triton_blocks(75, 16, 64, interpret=False, tile=48)
+
+
+def test_float32_tiles_fit_gpu_shared_memory():
+    """2-byte inputs keep the whole routing block as one tile; float32 splits a block into
+    power-of-two tiles of at most F32_MAX_TILE_ELEMENTS (a 128 x 128 or 64 x 128 float32 tile
+    exceeds H100's and A100's shared memory), never below 16 rows."""
+    assert [bsa_pallas.sub_tile(bs, 2, 128) for bs in (16, 64, 128, 256)] == [16, 64, 128, 256]
+    assert [bsa_pallas.sub_tile(bs, 4, 64) for bs in (16, 64, 128, 256)] == [16, 64, 64, 64]
+    assert [bsa_pallas.sub_tile(bs, 4, 128) for bs in (16, 64, 128, 256)] == [16, 32, 32, 32]
+    assert bsa_pallas.sub_tile(128, 4, 512) == 16 and bsa_pallas.sub_tile(24, 4, 256) == 24  # interpreter-only blocks
+    blocks = bsa_pallas.make_sparse_triton_blocks(300, 64, 128, interpret=False, tile=64)
+    assert (blocks.nb, blocks.nsub, blocks.Tp) == (3, 2, 384)
 
 
 @pytest.mark.compiled

@@ -65,6 +65,17 @@ def test_float32_head_dim_64_compiles(devices, platform):
     assert compile_program(program.fn, program.args, platform).kernel_calls(platform) >= 3
 
 
+def test_block_sparse_float32_fits_gpu_shared_memory(devices):
+    """Float32 block-sparse attention with 128-token routing blocks and head dim 128, forward and
+    backward: Triton refused it ("Shared memory size limit exceeded", 394 KB of 227 KB on H100)
+    until the kernels split a block into tiles (block_sparse_attention/pallas.py, sub_tile)."""
+    from kernels_pallas.aot import Case, compile_program, kernel_programs
+
+    case = Case(T=512, D=128, H=8, K=2, dtype="float32", block=128)
+    (program,) = kernel_programs(case, devices["gpu"][0], kernels=("block_sparse",), directions=("fwd+bwd",))
+    assert compile_program(program.fn, program.args, "gpu").kernel_calls("gpu") >= 3
+
+
 def test_kernels_follow_the_target_not_the_host(devices):
     """Without the target named, compiled Pallas on this CPU host is refused; with it, the
     same call lowers to the target's kernels."""
