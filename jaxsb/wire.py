@@ -14,19 +14,28 @@ and the field; nothing received is ever executed or unpickled.
 
 Schemas (`SCHEMAS`): workdir, tokenizer, plan, error, step. Bump a schema's version whenever
 its body changes. `share_from_main` is how process 0's decisions reach the others.
+
+A plan's per-sequence columns (lengths, placements, budgets: thousands of numbers at cluster
+scale) travel packed (`pack_ints`): little-endian int32, zlib-compressed, base64 text, with
+their count; the reader checks the text, the compressed size and the count before it builds
+anything (a 4096-sequence plan for 1024 devices: 70 KB as plain JSON, `scripts/bench_plan_wire.py`).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import math
+import zlib
 from typing import Any, Callable, TypeVar
 
 from jaxsb import devices
 
 T = TypeVar("T")
 
-VERSIONS = {"workdir": 1, "tokenizer": 1, "plan": 2, "error": 1, "step": 1}
+VERSIONS = {"workdir": 1, "tokenizer": 1, "plan": 3, "error": 1, "step": 1}
+_INT32 = (-2**31, 2**31 - 1)
 
 
 class WireError(ValueError):
@@ -59,14 +68,30 @@ class _Reader:
             self.fail(field, f"expected {names}, got {type(value).__name__} {str(value)[:40]!r}")
         return value
 
-    def ints(self, name: str, optional: bool = False) -> tuple[int, ...] | None:
-        values = self.get(name, list, optional=optional)
-        if values is None:
+    def packed_ints(self, name: str, optional: bool = False) -> tuple[int, ...] | None:
+        """The ints `pack_ints` wrote under `name`: {"count": n, "int32_zlib": base64 text}."""
+        if optional and self.get(name, dict, optional=True) is None:
             return None
-        for i, v in enumerate(values):
-            if not isinstance(v, int) or isinstance(v, bool):
-                self.fail(f"{self.path}.{name}[{i}]", f"expected int, got {type(v).__name__} {str(v)[:40]!r}")
-        return tuple(values)
+        r = self.obj(name)
+        count, text = r.get("count", int), r.get("int32_zlib", str)
+        field = f"{r.path}.int32_zlib"
+        if count < 0:
+            self.fail(f"{r.path}.count", f"expected a count >= 0, got {count}")
+        try:
+            packed = base64.b64decode(text.encode("ascii"), validate=True)
+        except (binascii.Error, UnicodeEncodeError) as e:
+            self.fail(field, f"not base64 ({e})")
+        inflate = zlib.decompressobj()
+        try:  # at most the announced size is inflated: a small message cannot grow without bound
+            raw = inflate.decompress(packed, 4 * count + 1)
+        except zlib.error as e:
+            self.fail(field, f"not zlib data ({e})")
+        if len(raw) != 4 * count or not inflate.eof:
+            self.fail(field, f"expected {count} int32 values ({4 * count} bytes), got "
+                             f"{len(raw)}{'' if inflate.eof else ' or more'} bytes")
+        import numpy as np
+
+        return tuple(np.frombuffer(raw, "<i4").tolist())
 
     def obj(self, name: str) -> "_Reader":
         return _Reader(self.key, self.get(name, dict), f"{self.path}.{name}")
@@ -134,7 +159,8 @@ def _tokenizer_in(r: _Reader):
 
 
 def plan_to_json(plan) -> dict:
-    """A Plan as plain JSON (also what the per-step plan digest hashes)."""
+    """A Plan as plain, readable JSON (reports, and what the per-step plan digest hashes); the
+    plan message between processes is the packed plan_to_wire."""
     t = plan.template
     return {
         "num_devices": t.num_devices,
@@ -147,27 +173,59 @@ def plan_to_json(plan) -> dict:
     }
 
 
-def plan_from_json(r: _Reader):
-    from jaxsb.plan import Group, MicroBatch, Placement, Plan, PlanError, Template, validate
+def pack_ints(values, field: str) -> dict:
+    """Ints as {"count", "int32_zlib"} (module doc); TypeError naming `field` outside int32."""
+    import numpy as np
+
+    a = np.asarray(list(values), dtype=np.int64)
+    if a.size and (a.min() < _INT32[0] or a.max() > _INT32[1]):
+        raise TypeError(f"{field}: values must fit int32 to be sent, got {a.min()}..{a.max()}")
+    packed = zlib.compress(a.astype("<i4").tobytes(), 9)
+    return {"count": int(a.size), "int32_zlib": base64.b64encode(packed).decode("ascii")}
+
+
+def plan_to_wire(plan) -> dict:
+    """A Plan for the other processes, its columns packed (pack_ints): per micro-batch the
+    groups' starts, degrees and schemes (as indices into jaxsb.plan.SCHEMES); per sequence its
+    length, budget and placement (microbatch, group and rank columns one after another)."""
+    from jaxsb.plan import SCHEMES
+
+    cols = [p.microbatch for p in plan.placements] + [p.group for p in plan.placements] + \
+        [p.rank for p in plan.placements]
+    mbs = [{"shard_len": mb.shard_len, "local_len": mb.local_len,
+            "groups": pack_ints([g.start for g in mb.groups] + [g.degree for g in mb.groups]
+                                + [SCHEMES.index(g.scheme) for g in mb.groups], "plan.groups")}
+           for mb in plan.template.microbatches]
+    return {"num_devices": plan.template.num_devices, "microbatches": mbs,
+        "lengths": pack_ints(plan.lengths, "plan.lengths"),
+        "placements": pack_ints(cols, "plan.placements"),
+        "budgets": None if plan.budgets is None else pack_ints(plan.budgets, "plan.budgets"),
+        "planner": plan.planner, "predicted_ms": _finite_or_nan(plan.predicted_ms),
+    }
+
+
+def plan_from_wire(r: _Reader):
+    """The Plan `plan_to_wire` wrote, checked field by field and then as a plan (validate)."""
+    from jaxsb.plan import SCHEMES, Group, MicroBatch, Placement, Plan, PlanError, Template, validate
 
     mbs = []
     for m in r.objs("microbatches"):
-        groups = []
-        for i, g in enumerate(m.get("groups", list)):
-            if not (isinstance(g, list) and len(g) == 3 and all(isinstance(x, int) for x in g[:2])
-                    and isinstance(g[2], str)):
-                m.fail(f"{m.path}.groups[{i}]", f"expected [start, degree, scheme], got {str(g)[:60]!r}")
-            groups.append(Group(*g))
-        mbs.append(MicroBatch(tuple(groups), m.get("shard_len", int), m.get("local_len", int)))
-    placements = []
-    for i, p in enumerate(r.get("placements", list)):
-        if not (isinstance(p, list) and len(p) == 3 and all(isinstance(x, int) and not isinstance(x, bool)
-                                                             for x in p)):
-            r.fail(f"{r.path}.placements[{i}]", f"expected [microbatch, group, rank], got {str(p)[:60]!r}")
-        placements.append(Placement(*p))
+        cols = m.packed_ints("groups")
+        k = len(cols) // 3
+        if len(cols) != 3 * k or not all(0 <= c < len(SCHEMES) for c in cols[2 * k:]):
+            m.fail(f"{m.path}.groups", f"expected start, degree and scheme columns (schemes 0..{len(SCHEMES) - 1}: "
+                                       f"{', '.join(SCHEMES)}), got {len(cols)} values")
+        groups = tuple(Group(a, d, SCHEMES[c]) for a, d, c in zip(cols[:k], cols[k:2 * k], cols[2 * k:]))
+        mbs.append(MicroBatch(groups, m.get("shard_len", int), m.get("local_len", int)))
+    lengths = r.packed_ints("lengths")
+    cols = r.packed_ints("placements")
+    n = len(lengths)
+    if len(cols) != 3 * n:
+        r.fail(f"{r.path}.placements", f"expected 3 columns of {n} (one placement per length), got {len(cols)} values")
+    placements = tuple(map(Placement, cols[:n], cols[n:2 * n], cols[2 * n:]))
     predicted = r.get("predicted_ms", int, float, optional=True)
-    plan = Plan(Template(r.get("num_devices", int), tuple(mbs)), r.ints("lengths"), tuple(placements),
-                r.ints("budgets", optional=True), r.get("planner", str),
+    plan = Plan(Template(r.get("num_devices", int), tuple(mbs)), lengths, placements,
+                r.packed_ints("budgets", optional=True), r.get("planner", str),
                 float("nan") if predicted is None else float(predicted))
     try:
         return validate(plan)
@@ -177,9 +235,10 @@ def plan_from_json(r: _Reader):
 
 def _plan_out(value) -> dict:
     """(Plan, solve seconds, SolveInfo) of one step, planned by process 0 (version 2: the data
-    digest left the message; every process's digests are compared per step, faults.py)."""
+    digest left the message, every process's digests are compared per step, faults.py;
+    version 3: the per-sequence columns packed, plan_to_wire)."""
     plan, solve_s, info = value
-    return {"plan": plan_to_json(plan), "solve_s": float(solve_s),
+    return {"plan": plan_to_wire(plan), "solve_s": float(solve_s),
             "info": {"solve_seconds": float(info.solve_seconds), "message": info.message,
                      "fell_back": bool(info.fell_back), "lower_bound_ms": _finite_or_nan(info.lower_bound_ms),
                      "details": _plain(dict(info.details), "details")}}
@@ -191,7 +250,7 @@ def _plan_in(r: _Reader):
     i = r.obj("info")
     info = SolveInfo(float(i.get("solve_seconds", int, float)), i.get("message", str), i.get("fell_back", bool),
                      i.get("lower_bound_ms", int, float, optional=True), i.get("details", dict))
-    return plan_from_json(r.obj("plan")), float(r.get("solve_s", int, float)), info
+    return plan_from_wire(r.obj("plan")), float(r.get("solve_s", int, float)), info
 
 
 # Errors process 0 hits while deciding for everyone are raised again on the others as the

@@ -68,6 +68,12 @@ def test_measure_coverage_feeds_the_simulator(tmp_path):
     assert "jaxsb" in out and "sparsebalance" in out, out
 
 
+def test_bench_plan_wire_sends_the_plan_through_a_coordinator():
+    out = _run("scripts/bench_plan_wire.py", "--devices", "16", "--global-batch", "32", "--max-len", "16384",
+               "--dist", "long-tail", "--planner", "jaxsb", "--repeats", "2")
+    assert "packed (plan message v3)" in out and "ratio plain/packed:" in out, out
+
+
 def test_bench_budgets_prints_the_three_runs():
     out = _run("scripts/bench_budgets.py", "--config", "tiny", "--steps", "3", "--set", "model.sparse.block_size=16")
     for run in ("dense", "sparse", "sparse+dst"):

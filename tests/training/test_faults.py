@@ -104,6 +104,34 @@ def test_messages_round_trip():
     assert isinstance(error, ConfigError) and str(error) == "on process 0: model.hidden: bad"
 
 
+def test_a_large_plan_round_trips_exactly_and_packed():
+    """A 1024-device plan of 4096 sequences (Ulysses and ring groups, Skrull-style local ranks,
+    budgets) comes back equal, and its per-sequence columns travel packed, not as JSON lists."""
+    from jaxsb.plan import GroupSpec, build_plan
+    from jaxsb.planner.base import SolveInfo
+
+    rng = np.random.default_rng(0)
+    lengths = [int(x) for x in rng.integers(1, 300_000, 4096)]
+    specs, ids = [], iter(range(4096))
+    for m in range(2):
+        mb = [GroupSpec(64, "ulysses", sharded=tuple(next(ids) for _ in range(8))),
+              GroupSpec(32, "ring", sharded=tuple(next(ids) for _ in range(4)))]
+        mb += [GroupSpec(8, "ring", sharded=(next(ids),), local=tuple((next(ids), next(ids)) for _ in range(8)))
+               for _ in range(116)]
+        specs.append(mb)
+    rest = [i for i in ids]
+    specs.append([GroupSpec(1, "local", sharded=(i,)) for i in rest])  # 128 left: one per device
+    plan = build_plan(1024, specs, lengths, budgets=[int(b) for b in rng.integers(1, 64, 4096)], planner="jaxsb",
+                      predicted_ms=1234.5)
+    payload = wire.encode("plan", (plan, 1.5, SolveInfo(1.5)))
+    assert wire.decode("k", "plan", payload)[1][0] == plan
+    body = json.loads(payload)["body"]["plan"]
+    assert set(body["lengths"]) == {"count", "int32_zlib"} and body["placements"]["count"] == 3 * 4096
+    assert len(payload) < len(json.dumps(wire.plan_to_json(plan))) / 3
+    with pytest.raises(TypeError, match="plan.lengths: values must fit int32"):
+        wire.pack_ints([1, 2**31], "plan.lengths")
+
+
 class _RunsCode:
     """Unpickling this runs `touch <marker>`: what an attacker would publish."""
 
@@ -164,10 +192,22 @@ def _info():
     (b"\x80\x04K\x01.", "not a jaxsb message"),
     (b'["a list"]', "field 'message': expected an object, got list"),
     (json.dumps({"jaxsb": "plan", "body": {}}).encode(), "field 'message.version': missing"),
-    (_message("plan", {}, version=99), "of version 2, got 99"),
+    (_message("plan", {}, version=99), "of version 3, got 99"),
     (_message("workdir", {"path": 3}), "field 'message.body.path': expected str, got int"),
-    (_message("plan", _plan_body(lengths=[300, "40", 50, 90])), r"field 'message.body.plan.lengths\[1\]': expected int"),
-    (_message("plan", _plan_body(placements=[[0, 0, -1]] * 3 + [[0, 9, -1]])), "not a valid plan: sequence 3: group 9"),
+    (_message("plan", _plan_body(lengths=[300, 40, 50, 90])), "field 'message.body.plan.lengths': expected dict, got list"),
+    (_message("plan", _plan_body(lengths={"count": 4, "int32_zlib": "not base64!"})),
+     "field 'message.body.plan.lengths.int32_zlib': not base64"),
+    (_message("plan", _plan_body(lengths={"count": 4, "int32_zlib": "AAAA"})),
+     "field 'message.body.plan.lengths.int32_zlib': not zlib data"),
+    (_message("plan", _plan_body(lengths=wire.pack_ints([300, 40, 50, 90, 7], "x") | {"count": 4})),
+     r"field 'message.body.plan.lengths.int32_zlib': expected 4 int32 values \(16 bytes\), got 17 or more"),
+    (_message("plan", _plan_body(lengths=wire.pack_ints([300, 40, 50], "x"))),
+     "field 'message.body.plan.placements': expected 3 columns of 3 .* got 12 values"),
+    (_message("plan", _plan_body(placements=wire.pack_ints([0] * 4 + [0, 1, 1, 9] + [-1] * 4, "x"))),
+     "not a valid plan: sequence 3: group 9"),
+    (_message("plan", _plan_body(microbatches=[{"shard_len": 512, "local_len": 0,
+                                                "groups": wire.pack_ints([0, 2, 3, 2, 1, 1, 2, 0, 7], "x")}])),
+     r"field 'message.body.plan.microbatches\[0\].groups': expected start, degree and scheme columns"),
     (_message("plan", _plan_body(num_devices=True)), "field 'message.body.plan.num_devices': expected int, got bool"),
 ])
 def test_malformed_messages_name_the_key_and_field(payload, message):
