@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
-import itertools
 import math
 import time
 from typing import Sequence
@@ -246,6 +245,7 @@ class _Context:
         key = [next((T[i, j] * lin.degrees[j] for j in range(self.nd) if fits[i, j]), 0.0) for i in range(n)]
         self.order = sorted(range(n), key=lambda i: (-key[i], i))
         self.grid = (1.1, 1.25, 1.5, 2.0)
+        self._upper: dict[int, np.ndarray] = {}
         self.tol = 1e-3
         # least device-time of every sequence, and of the per-group overheads, for quick rejections
         degs = np.asarray(lin.degrees, dtype=np.float64)
@@ -267,6 +267,7 @@ class _Context:
             return None
         free = [N] * M
         groups = []
+        sums: dict = {}  # _merge_for's running sums per (group, degree)
         by_deg = [[] for _ in range(self.nd)]
         rest = []
         single = deg[0] == 1
@@ -311,7 +312,7 @@ class _Context:
                             break
                 if placed:
                     break
-            if not placed and not self._merge_for(i, caps, groups, by_deg):
+            if not placed and not self._merge_for(i, caps, groups, by_deg, sums):
                 return None
         if rest:
             if not single:
@@ -363,11 +364,13 @@ class _Context:
                 G[4].append(i)
         return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
 
-    def _merge_for(self, i, caps, groups, by_deg) -> bool:
+    def _merge_for(self, i, caps, groups, by_deg, sums: dict) -> bool:
         """Makes room for sequence i when no group takes it and no devices are free: two groups
         of degree d in one micro-batch become one group of degree 2d (half the memory per device
         for their sequences) that also takes i. The merge leaving the most room under the
-        micro-batch's target wins; False if none fits."""
+        micro-batch's target wins; False if none fits. `sums[(g, k)]`: [ids counted, time,
+        memory, all fit] of group g's sequences at degree index k, extended as the group grows
+        (a group's list only grows at its end; a merge's emptied group starts again)."""
         t, m, cap, fit, bt, deg = self.t, self.m, self.cap, self.fit, self.bt, self.deg
         best = None
         for j in range(self.nd - 1):
@@ -378,14 +381,32 @@ class _Context:
             by_mb: dict = {}
             for g in by_deg[j]:  # each group's sequences at degree 2d: (time, memory)
                 ids = groups[g][4]
-                if ids and all(fit[x][k] for x in ids):
-                    by_mb.setdefault(groups[g][0], []).append(
-                        (sum(t[x][k] for x in ids), sum(m[x][k] for x in ids), g))
+                c = sums.get((g, k))
+                if c is None or c[0] > len(ids):
+                    c = sums[(g, k)] = [0, 0, 0, True]
+                for x in ids[c[0]:]:  # the same additions, in the same order, as one sum() over ids
+                    c[1] += t[x][k]
+                    c[2] += m[x][k]
+                    c[3] = c[3] and fit[x][k]
+                c[0] = len(ids)
+                if ids and c[3]:
+                    by_mb.setdefault(groups[g][0], []).append((c[1], c[2], g))
             for mb, gs in by_mb.items():
-                for (ta, ma, a), (tb, mb_, b) in itertools.combinations(gs, 2):
-                    mem, load = need_m + ma + mb_, need_t + ta + tb
-                    if mem <= cap[k] and load <= caps[mb] and (best is None or load < best[0]):
-                        best = (load, mem, a, b, k, groups[a][4] + groups[b][4])
+                if len(gs) < 2:
+                    continue
+                # every pair (a before b in by_deg order) at once; the sums associate as
+                # need + a + b, and argmin takes the first of equal loads in (a, b) order
+                ts = np.array([x[0] for x in gs])
+                ms = np.array([x[1] for x in gs])
+                load = (need_t + ts)[:, None] + ts[None, :]
+                mem = (need_m + ms)[:, None] + ms[None, :]
+                ok = self._pairs(len(gs)) & (mem <= cap[k]) & (load <= caps[mb])
+                if not ok.any():
+                    continue
+                pa, pb = divmod(int(np.argmin(np.where(ok, load, np.inf))), len(gs))
+                if best is None or load[pa, pb] < best[0]:
+                    a, b = gs[pa][2], gs[pb][2]
+                    best = (float(load[pa, pb]), float(mem[pa, pb]), a, b, k, groups[a][4] + groups[b][4])
             if best is not None:
                 break
         if best is None:
@@ -399,6 +420,12 @@ class _Context:
         groups[b][2], groups[b][3] = bt[groups[b][1]], 0.0
         groups[b][0] = -1  # no longer on any device
         return True
+
+    def _pairs(self, n: int) -> np.ndarray:
+        """[n, n] bool, True above the diagonal: every pair once (cached per n)."""
+        if n not in self._upper:
+            self._upper[n] = np.triu(np.ones((n, n), dtype=bool), 1)
+        return self._upper[n]
 
     def _bisect(self, make_caps, lo: float, hi: float, steps: int, best, reuse: bool = False):
         """Smallest feasible x in [lo, hi] for caps = make_caps(x) (hi assumed feasible or found by
