@@ -21,7 +21,7 @@ import numpy as np
 
 from jaxsb.planner.cost import group_times_ms, plan_memory_mb
 
-DISTRIBUTIONS = ("long-tail", "bimodal", "long-sft", "chatqa2", "longalign")
+DISTRIBUTIONS = ("long-tail", "bimodal", "long-sft", "chatqa2", "longalign", "bytescale")
 
 
 # ------------------------------------------------------------------------------- settings
@@ -146,6 +146,10 @@ def synthetic_lengths(name: str, seed: int = 0, chunk: int = 4096) -> Iterable[i
       near the paper's 1.81;
     * longalign: LongAlign-10k, "8K-72K, most between 8K and 16K": lognormal around 12K
       (sigma 0.45), kept within [8K, 72K].
+    * bytescale: ByteScale's production mix as its paper states it (arXiv 2502.21231): 80% of
+      sequences <= 4K tokens and 0.05% >= 2M. Between them the paper gives no shape; ours: 80%
+      lognormal around 1K (sigma 0.8, kept <= 4K), 19.95% log-uniform in (4K, 2M), 0.05%
+      log-uniform in [2M, 4M].
     Samples outside a mix's stated range are drawn again (the mix is the stated shape)."""
     if name not in DISTRIBUTIONS:
         raise ValueError(f"unknown distribution {name!r}; known: {', '.join(DISTRIBUTIONS)}")
@@ -164,6 +168,15 @@ def synthetic_lengths(name: str, seed: int = 0, chunk: int = 4096) -> Iterable[i
             short = rng.lognormal(math.log(1536), 0.6, chunk)
             x = np.where(long, np.exp(rng.uniform(math.log(16384), math.log(32768), chunk)), short)
             x = x[long | (short < 4096)]
+        elif name == "bytescale":
+            u = rng.random(chunk)
+            short = np.empty(0)
+            while len(short) < chunk:  # the short share stays 80%: its draws above 4K are redrawn
+                more = rng.lognormal(math.log(1024), 0.8, chunk)
+                short = np.concatenate([short, more[more <= 4096]])
+            mid = np.exp(rng.uniform(math.log(4097), math.log(2 * 2**20), chunk))
+            huge = np.exp(rng.uniform(math.log(2 * 2**20), math.log(4 * 2**20), chunk))
+            x = np.where(u < 0.8, short[:chunk], np.where(u < 0.9995, mid, huge))
         else:
             x = rng.lognormal(math.log(12288), 0.45, chunk)
             x = x[(x >= 8192) & (x <= 73728)]

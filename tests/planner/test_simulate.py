@@ -101,6 +101,9 @@ def test_batches_follow_flexsp_convention(tmp_path):
     assert a == list(zip(range(1000), simulate.synthetic_lengths("long-sft", seed=3)))  # seeded
     sft = np.array([n for _, n in zip(range(200000), simulate.synthetic_lengths("long-sft"))])
     assert 0.0005 < (sft > 30000).mean() < 0.002 and 700 < np.median(sft) < 1000
+    byte = np.array([n for _, n in zip(range(400000), simulate.synthetic_lengths("bytescale"))])
+    assert 0.795 < (byte <= 4096).mean() < 0.805 and 0.0003 < (byte >= 2 * 2**20).mean() < 0.0007  # 80%, 0.05%
+    assert byte.max() <= 4 * 2**20
 
 
 def test_cli_small_run_writes_json_and_plots(tmp_path):
