@@ -36,6 +36,7 @@ T = TypeVar("T")
 
 VERSIONS = {"workdir": 1, "tokenizer": 1, "plan": 3, "error": 1, "step": 1}
 _INT32 = (-2**31, 2**31 - 1)
+ZLIB_MAX_RATIO = 1032  # deflate's largest expansion: one compressed byte holds at most ~1032 bytes
 
 
 class WireError(ValueError):
@@ -81,14 +82,20 @@ class _Reader:
             packed = base64.b64decode(text.encode("ascii"), validate=True)
         except (binascii.Error, UnicodeEncodeError) as e:
             self.fail(field, f"not base64 ({e})")
+        if 4 * count > ZLIB_MAX_RATIO * len(packed) + 64:  # deflate cannot inflate that far
+            self.fail(f"{r.path}.count", f"{count} int32 values cannot come from {len(packed)} compressed bytes")
         inflate = zlib.decompressobj()
-        try:  # at most the announced size is inflated: a small message cannot grow without bound
+        try:  # never more than the announced size (itself bounded by the compressed size) is inflated
             raw = inflate.decompress(packed, 4 * count + 1)
         except zlib.error as e:
             self.fail(field, f"not zlib data ({e})")
-        if len(raw) != 4 * count or not inflate.eof:
-            self.fail(field, f"expected {count} int32 values ({4 * count} bytes), got "
-                             f"{len(raw)}{'' if inflate.eof else ' or more'} bytes")
+        if len(raw) > 4 * count:
+            self.fail(field, f"expected {count} int32 values ({4 * count} bytes), got more")
+        if not inflate.eof:
+            self.fail(field, f"the compressed stream ends early: {len(raw)} of {4 * count} bytes")
+        if inflate.unused_data or len(raw) != 4 * count:
+            self.fail(field, f"expected {count} int32 values ({4 * count} bytes), got {len(raw)} bytes"
+                             + (f" and {len(inflate.unused_data)} bytes after the stream" if inflate.unused_data else ""))
         import numpy as np
 
         return tuple(np.frombuffer(raw, "<i4").tolist())
@@ -174,12 +181,17 @@ def plan_to_json(plan) -> dict:
 
 
 def pack_ints(values, field: str) -> dict:
-    """Ints as {"count", "int32_zlib"} (module doc); TypeError naming `field` outside int32."""
+    """Ints as {"count", "int32_zlib"} (module doc); TypeError naming `field` for anything but
+    ints (a bool or a float is refused, never rounded) or an int outside int32."""
     import numpy as np
 
-    a = np.asarray(list(values), dtype=np.int64)
-    if a.size and (a.min() < _INT32[0] or a.max() > _INT32[1]):
-        raise TypeError(f"{field}: values must fit int32 to be sent, got {a.min()}..{a.max()}")
+    values = list(values)
+    for i, v in enumerate(values):
+        if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+            raise TypeError(f"{field}[{i}]: expected an int, got {type(v).__name__} {v!r}")
+        if not _INT32[0] <= v <= _INT32[1]:
+            raise TypeError(f"{field}[{i}]: values must fit int32 to be sent, got {v}")
+    a = np.asarray(values, dtype=np.int64)
     packed = zlib.compress(a.astype("<i4").tobytes(), 9)
     return {"count": int(a.size), "int32_zlib": base64.b64encode(packed).decode("ascii")}
 
@@ -212,9 +224,13 @@ def plan_from_wire(r: _Reader):
     for m in r.objs("microbatches"):
         cols = m.packed_ints("groups")
         k = len(cols) // 3
-        if len(cols) != 3 * k or not all(0 <= c < len(SCHEMES) for c in cols[2 * k:]):
-            m.fail(f"{m.path}.groups", f"expected start, degree and scheme columns (schemes 0..{len(SCHEMES) - 1}: "
-                                       f"{', '.join(SCHEMES)}), got {len(cols)} values")
+        if len(cols) != 3 * k:
+            m.fail(f"{m.path}.groups", f"expected start, degree and scheme columns of equal length, "
+                                       f"got {len(cols)} values")
+        bad = [c for c in cols[2 * k:] if not 0 <= c < len(SCHEMES)]
+        if bad:
+            m.fail(f"{m.path}.groups", f"scheme code {bad[0]} out of range (0..{len(SCHEMES) - 1}: "
+                                       f"{', '.join(SCHEMES)})")
         groups = tuple(Group(a, d, SCHEMES[c]) for a, d, c in zip(cols[:k], cols[k:2 * k], cols[2 * k:]))
         mbs.append(MicroBatch(groups, m.get("shard_len", int), m.get("local_len", int)))
     lengths = r.packed_ints("lengths")

@@ -90,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
     message = (plan, solve_s, info)
     packed = wire.encode("plan", message)
 
+    rest = {k: v for k, v in json.loads(packed)["body"].items() if k != "plan"}  # solve_s, info: as sent
+
     def encode_plain() -> bytes:  # version 2: the same message with the plan as plain JSON
-        body = json.loads(wire.encode("plan", message))["body"] | {"plan": wire.plan_to_json(plan)}
+        body = {"plan": wire.plan_to_json(plan)} | rest
         return json.dumps({"jaxsb": "plan", "version": 2, "body": body}, separators=(",", ":")).encode()
 
     plain = encode_plain()

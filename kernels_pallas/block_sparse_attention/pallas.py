@@ -410,7 +410,8 @@ def block_sparse_attention_pallas(
 
     interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
     tile: the kernels' tile rows (default sub_tile: the whole block, split for float32 within
-    F32_MAX_TILE_ELEMENTS); the result does not depend on it.
+    F32_MAX_TILE_ELEMENTS); the result does not depend on it beyond rounding (the
+    online softmax adds the tiles in another grouping).
     """
     B, T, _, D = q.shape
     if tile is None:

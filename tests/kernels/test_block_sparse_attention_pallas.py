@@ -296,61 +296,6 @@ def test_float32_tiles_fit_gpu_shared_memory():
 
 
 @pytest.mark.compiled
-class TestBlockSparseAttentionPallasCompiled(TestBlockSparseAttentionPallas):
-    INTERPRET = False
-
-
-# ------------------------------------------------------------------ host-side logic (CPU only)
-
-
-def test_block_tables_match_a_brute_force():
-    """fwd rows: count, then the distinct valid in-range non-future entries ascending; bwd rows:
-    the same relation transposed (which query blocks selected each key block)."""
-    rng = np.random.default_rng(14)
-    B, K, nq, M = 2, 3, 6, 5
-    idx = rng.integers(-3, nq + 3, size=(B, K, nq, M)).astype(np.int32)
-    counts = rng.integers(-1, M + 2, size=(B, K, nq)).astype(np.int32)
-    tables = bsa_pallas.block_tables(jnp.asarray(idx), jnp.asarray(counts), nq)
-    fwd, bwd = (np.asarray(t) for t in tables)
-    assert fwd.shape == (B, K, nq, 1 + M) and bwd.shape == (B, K, nq, 1 + nq)
-    sel = np.zeros((B, K, nq, nq), bool)
-    for b in range(B):
-        for k in range(K):
-            for n in range(nq):
-                listed = idx[b, k, n, : max(counts[b, k, n], 0)]
-                chosen = sorted({int(j) for j in listed if 0 <= j <= n})
-                sel[b, k, n, chosen] = True
-                assert fwd[b, k, n, 0] == len(chosen)
-                assert list(fwd[b, k, n, 1 : 1 + len(chosen)]) == chosen
-    for b in range(B):
-        for k in range(K):
-            for j in range(nq):
-                qs = list(np.nonzero(sel[b, k, :, j])[0])
-                assert bwd[b, k, j, 0] == len(qs)
-                assert list(bwd[b, k, j, 1 : 1 + len(qs)]) == qs
-    assert sel.sum() > 0 and (~sel).sum() > 0
-
-
-def test_dispatch():
-    """"pallas" reaches the kernels (interpreted on CPU); "auto" is "xla" on CPU; compiled
-    Pallas on CPU is refused with a clear message; compiled blocks must be powers of two."""
-    T, bs = 64, 32
-    q, k, v = _inputs(1, T, 2, 1, 16, jnp.float32)
-    idx = jnp.zeros((1, 1, 2, 2), jnp.int32).at[..., 0].set(jnp.arange(2))
-    counts = jnp.full((1, 1, 2), 2, jnp.int32)
-    f = lambda impl, **kw: (  # noqa: E731
-        lambda q: block_sparse_attention(q, k, v, idx, counts, None, bs, impl, **kw)
-    )
-    assert "pallas_call" in str(jax.make_jaxpr(f("pallas"))(q))
-    if jax.default_backend() == "cpu":
-        assert "pallas_call" not in str(jax.make_jaxpr(f("auto"))(q))
-        with pytest.raises(ValueError, match="interpret=True"):
-            f("pallas", interpret=False)(q)
-    with pytest.raises(ValueError, match="block_size=24"):
-        bsa_pallas.make_sparse_triton_blocks(75, 16, 24, interpret=False)
-
-
-@pytest.mark.compiled
 def test_compiled_kernels_lower_to_triton_for_gpu():
     """Forward, dQ and dK/dV lower through Pallas' Triton path for CUDA, checked on any host by
     exporting for the "cuda" platform (no GPU needed; compiling the Triton IR still is)."""

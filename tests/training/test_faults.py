@@ -9,6 +9,7 @@ cost (steps lost, seconds to stop, seconds to resume) as a "fault figure" line (
 the README quotes them.
 """
 
+import base64
 import errno
 import json
 import os
@@ -18,6 +19,7 @@ import signal
 import socket
 import threading
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -128,8 +130,11 @@ def test_a_large_plan_round_trips_exactly_and_packed():
     body = json.loads(payload)["body"]["plan"]
     assert set(body["lengths"]) == {"count", "int32_zlib"} and body["placements"]["count"] == 3 * 4096
     assert len(payload) < len(json.dumps(wire.plan_to_json(plan))) / 3
-    with pytest.raises(TypeError, match="plan.lengths: values must fit int32"):
+    with pytest.raises(TypeError, match=r"plan.lengths\[1\]: values must fit int32"):
         wire.pack_ints([1, 2**31], "plan.lengths")
+    for bad in (1.7, True, 2**70):
+        with pytest.raises(TypeError, match=r"plan.budgets\[1\]"):
+            wire.pack_ints([1, bad], "plan.budgets")
 
 
 class _RunsCode:
@@ -200,14 +205,25 @@ def _info():
     (_message("plan", _plan_body(lengths={"count": 4, "int32_zlib": "AAAA"})),
      "field 'message.body.plan.lengths.int32_zlib': not zlib data"),
     (_message("plan", _plan_body(lengths=wire.pack_ints([300, 40, 50, 90, 7], "x") | {"count": 4})),
-     r"field 'message.body.plan.lengths.int32_zlib': expected 4 int32 values \(16 bytes\), got 17 or more"),
+     r"field 'message.body.plan.lengths.int32_zlib': expected 4 int32 values \(16 bytes\), got more"),
     (_message("plan", _plan_body(lengths=wire.pack_ints([300, 40, 50], "x"))),
      "field 'message.body.plan.placements': expected 3 columns of 3 .* got 12 values"),
     (_message("plan", _plan_body(placements=wire.pack_ints([0] * 4 + [0, 1, 1, 9] + [-1] * 4, "x"))),
      "not a valid plan: sequence 3: group 9"),
     (_message("plan", _plan_body(microbatches=[{"shard_len": 512, "local_len": 0,
                                                 "groups": wire.pack_ints([0, 2, 3, 2, 1, 1, 2, 0, 7], "x")}])),
-     r"field 'message.body.plan.microbatches\[0\].groups': expected start, degree and scheme columns"),
+     r"field 'message.body.plan.microbatches\[0\].groups': scheme code 7 out of range"),
+    (_message("plan", _plan_body(microbatches=[{"shard_len": 512, "local_len": 0,
+                                                "groups": wire.pack_ints([0, 2, 3, 2], "x")}])),
+     r"groups': expected start, degree and scheme columns of equal length, got 4 values"),
+    (_message("plan", _plan_body(lengths={"count": 10**20, "int32_zlib": "AAAA"})),
+     r"field 'message.body.plan.lengths.count': 100000000000000000000 int32 values cannot come from 3"),
+    (_message("plan", _plan_body(lengths={"count": 4, "int32_zlib": base64.b64encode(
+        zlib.compress(bytes(16)) + b"xx").decode()})), "got 16 bytes and 2 bytes after the stream"),
+    (_message("plan", _plan_body(lengths={"count": 4, "int32_zlib": base64.b64encode(
+        zlib.compress(bytes(16))[:-5]).decode()})), "the compressed stream ends early"),
+    (_message("plan", _plan_body(lengths=wire.pack_ints([300, 40, 50, 90], "x") | {"count": 5})),
+     r"lengths.int32_zlib': expected 5 int32 values \(20 bytes\), got 16 bytes"),
     (_message("plan", _plan_body(num_devices=True)), "field 'message.body.plan.num_devices': expected int, got bool"),
 ])
 def test_malformed_messages_name_the_key_and_field(payload, message):
