@@ -98,12 +98,21 @@ def chip_cost(chip: str, config: str | None, num_devices: int, options: dict):
                          devices_per_node=options.get("devices_per_node"))
 
 
+def simulator_cost(preset: str, config: str | None, num_devices: int, options: dict):
+    """The cost model `--preset` names: a chip's data-sheet model (chip_cost) or a published /
+    calibrated preset (jaxsb.planner.cost.load_preset)."""
+    from jaxsb.planner.cost import load_preset
+    from jaxsb.planner.hardware import CHIPS
+
+    if preset in CHIPS:
+        return chip_cost(preset, config, num_devices, options)
+    return load_preset(preset, **options)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     from jaxsb.config import ConfigError
     from jaxsb.plan import PlanError
-    from jaxsb.planner.cost import load_preset
-    from jaxsb.planner.hardware import CHIPS
 
     pipeline = is_pipeline_preset(args.preset)
     try:
@@ -115,8 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             n = resolve_sizes(args.devices, args.dp, args.cp, args.global_batch, args.steps, args.max_len)
         preset_opts = preset_options(args.preset, n, args.max_len, args.preset_option, pp=args.pp)
-        cost = chip_cost(args.preset, args.model, n, preset_opts) if args.preset in CHIPS else \
-            load_preset(args.preset, **preset_opts)
+        cost = simulator_cost(args.preset, args.model, n, preset_opts)
         names = list(dict.fromkeys(args.planner or ([] if args.table_i else ["jaxsb" if pipeline else "static"])))
         budget_opts = dict(coverage_drop=args.coverage_drop, anchor=args.anchor) | (dict(mbs=args.mbs) if pipeline else {})
         planners, per_planner = make_planners(names, args.planner_option, cost, n, args.time_limit, args.dp, args.cp,

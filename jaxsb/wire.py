@@ -209,11 +209,10 @@ def plan_to_wire(plan) -> dict:
                                 + [SCHEMES.index(g.scheme) for g in mb.groups], "plan.groups")}
            for mb in plan.template.microbatches]
     return {"num_devices": plan.template.num_devices, "microbatches": mbs,
-        "lengths": pack_ints(plan.lengths, "plan.lengths"),
-        "placements": pack_ints(cols, "plan.placements"),
-        "budgets": None if plan.budgets is None else pack_ints(plan.budgets, "plan.budgets"),
-        "planner": plan.planner, "predicted_ms": _finite_or_nan(plan.predicted_ms),
-    }
+            "lengths": pack_ints(plan.lengths, "plan.lengths"),
+            "placements": pack_ints(cols, "plan.placements"),
+            "budgets": None if plan.budgets is None else pack_ints(plan.budgets, "plan.budgets"),
+            "planner": plan.planner, "predicted_ms": _finite_or_nan(plan.predicted_ms)}
 
 
 def plan_from_wire(r: _Reader):

@@ -44,14 +44,11 @@ def _free_port() -> int:
 
 def plan_one_step(args):
     """(Plan, SolveInfo, solve seconds) of the first full batch of the setting."""
-    from jaxsb.planner.cost import load_preset
-    from jaxsb.planner.hardware import CHIPS
     from jaxsb.planner.simulation import make_batches, make_planners, preset_options, read_lengths, synthetic_lengths
-    from jaxsb.simulate import chip_cost
+    from jaxsb.simulate import simulator_cost
 
     n = args.devices
-    opts = preset_options(args.preset, n, args.max_len, [])
-    cost = chip_cost(args.preset, None, n, opts) if args.preset in CHIPS else load_preset(args.preset, **opts)
+    cost = simulator_cost(args.preset, None, n, preset_options(args.preset, n, args.max_len, []))
     planners, _ = make_planners([args.planner], [], cost, n, args.time_limit, None, None)
     source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, 0)
     batches, _, _ = make_batches(source, n, args.global_batch, args.max_len, 1, align=2 * n)

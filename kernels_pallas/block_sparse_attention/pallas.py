@@ -25,8 +25,9 @@ delta = rowsum(dO * O) is done in jnp before the backward kernels.
 
 Tiles: a routing block of bs tokens is one tile (nsub = 1: no inner loop) unless its float32
 operands would overflow a GPU's shared memory; then it is split into nsub = bs / tile tiles
-(`sub_tile`), the routing unchanged. On the diagonal block the tiles above the query tile's
-own are skipped (all masked).
+(`sub_tile`), the routing unchanged. On the diagonal block the wholly masked tiles are
+skipped: key tiles after the query tile's own (forward, dQ), query tiles before the key tile's
+own (dK/dV).
 
 Layout inside (as in flash_attention/pallas.py): q/o [B, H, Tp, Dp], k/v [B, K, Tp, Dp], Dp = D
 padded to a power of two >= 16 (Triton wants power-of-two loads and dots >= 16), zeros in the
@@ -173,11 +174,24 @@ def _tiles(fn, carry, base, lo, hi, blocks: SparseTritonBlocks):
     return lax.fori_loop(lo, hi, lambda u, c: fn(base + u * blocks.tile, c), carry)
 
 
+def _walk_key_tiles(tab_ref, key_tile, init, blocks: SparseTritonBlocks):
+    """key_tile(k_start, carry) over every key block in the table row of this program's query
+    tile t (tile a = t % nsub of query block i = t // nsub), tile by tile; on the diagonal
+    block only the key tiles up to the query tile's own (the later ones are all masked)."""
+    t = pl.program_id(2)
+    i, a = t // blocks.nsub, t % blocks.nsub
+
+    def body(s, carry):
+        j = tab_ref[1 + s]
+        return _tiles(key_tile, carry, j * blocks.bs, 0, jnp.where(j == i, a + 1, blocks.nsub), blocks)
+
+    return lax.fori_loop(0, tab_ref[0], body, init)
+
+
 def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
                 blocks: SparseTritonBlocks):
-    tile, Dp, nsub = blocks.tile, blocks.Dp, blocks.nsub
-    t = pl.program_id(2)  # query tile t: tile a = t % nsub of query block i = t // nsub
-    i, a = t // nsub, t % nsub
+    tile, Dp = blocks.tile, blocks.Dp
+    t = pl.program_id(2)  # the query tile
     q = q_ref[...]  # [tile, Dp]
     sq = sq_ref[...]
 
@@ -195,16 +209,12 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
         acc = alpha[:, None] * acc + _mm(p.astype(v.dtype), v, _NN, blocks.interpret)
         return m_new, l, acc
 
-    def body(s, carry):
-        j = tab_ref[1 + s]  # on the diagonal block, tiles after the query's own are all masked
-        return _tiles(key_tile, carry, j * blocks.bs, 0, jnp.where(j == i, a + 1, nsub), blocks)
-
     init = (
         jnp.full((tile,), NEG, jnp.float32),
         jnp.zeros((tile,), jnp.float32),
         jnp.zeros((tile, Dp), jnp.float32),
     )
-    m, l, acc = lax.fori_loop(0, tab_ref[0], body, init)
+    m, l, acc = _walk_key_tiles(tab_ref, key_tile, init, blocks)
     l = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing: acc = 0, output 0
     o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
@@ -212,9 +222,8 @@ def _fwd_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, o_ref, lse_ref, *,
 
 def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref,
                dq_ref, *, blocks: SparseTritonBlocks):
-    tile, Dp, nsub = blocks.tile, blocks.Dp, blocks.nsub
-    t = pl.program_id(2)
-    i, a = t // nsub, t % nsub
+    tile, Dp = blocks.tile, blocks.Dp
+    t = pl.program_id(2)  # the query tile
     q = q_ref[...]
     do = do_ref[...]
     lse = lse_ref[...]
@@ -230,11 +239,7 @@ def _dq_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, de
         ds = p * (_mm(do, v, _NT, blocks.interpret) - delta[:, None])
         return dq + _mm(ds.astype(k.dtype), k, _NN, blocks.interpret)
 
-    def body(s, dq):
-        j = tab_ref[1 + s]
-        return _tiles(key_tile, dq, j * blocks.bs, 0, jnp.where(j == i, a + 1, nsub), blocks)
-
-    dq = lax.fori_loop(0, tab_ref[0], body, jnp.zeros((tile, Dp), jnp.float32))
+    dq = _walk_key_tiles(tab_ref, key_tile, jnp.zeros((tile, Dp), jnp.float32), blocks)
     dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
 
 
