@@ -9,7 +9,9 @@ lower bound for M is already worse than the best plan found):
 
 1. a search over per-micro-batch time targets: bisection on one target T for all micro-batches,
    then "one heavy micro-batch" targets (the longest sequence's time at each degree, and
-   1.1 / 1.25 / 1.5 / 2 x T) with the other targets bisected. For given targets, `_Context.pack`
+   1.1 / 1.25 / 1.5 / 2 x T) with the other targets bisected, and one "short heavy" target:
+   the longest sequence pinned, at the smallest degree whose group ends before T, to a
+   micro-batch of exactly its length (its group holds all the devices it needs at once). For given targets, `_Context.pack`
    places sequences longest first: a sequence that cannot run alone on one device within the
    smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
    a target — into an existing group of that degree with room (best fit), else into a new group
@@ -20,20 +22,24 @@ lower bound for M is already worse than the best plan found):
    (time or memory, whichever binds) across all micro-batches, overflowing into the slack of
    the big groups (smallest degree first);
 2. the batch-adaptive plan (best single degree, static.py) is a candidate too, so jaxsb is never
-   worse than it;
+   worse than it (unless `time_limit_s` ran out first: then it is skipped, and the SolveInfo
+   says so);
 3. local search on the best packing, on the additive model: the slowest group of the slowest
    micro-batch gives its longest movable sequence to the group with the most room, in any
    micro-batch, that takes it without raising that micro-batch's time (in its own micro-batch:
    staying below the giver), or else swaps it with a shorter one there, until no micro-batch
    improves or the move budget is spent.
 
-No step depends on the wall clock (`time_limit_s` is only a safety net), so the same input
-always gives the same plan.
+No step depends on the wall clock (`time_limit_s` is only a safety net: past it every search
+keeps the best packing it has, and the SolveInfo says so), so the same input always gives the
+same plan.
 
 The result's time is the cost model's `plan_time_ms`. `lower_bound_ms` is a valid lower bound
-on any plan's time under the additive model (fewest micro-batches x per-group overhead + the
-larger of the least total device-time / N and the longest sequence's least time), so the
-gap to optimal is visible.
+on any plan's time under the additive model, from a small MILP per micro-batch count solved
+by python-mip's CBC (jaxsb.planner.bound: the longest sequences placed exactly, the others as
+memory-carrying fluid), so the gap to optimal is visible; the same per-count bounds prune
+the micro-batch counts the search tries. `bound="simple"` uses the closed-form bound of
+linear.simple_lower_bound instead (no MILP).
 
 Scheme: "ulysses" (default; heterogeneous all-to-all groups, as FlexSP, for the simulator) or
 "ring" (what jaxsb's executor runs for groups of different degrees); with "ring", a micro-batch
@@ -52,7 +58,8 @@ from typing import Sequence
 import numpy as np
 
 from jaxsb.planner.base import PlannerBase, check_degrees, check_options, check_scheme, pow2_degrees, resolve_align
-from jaxsb.planner.linear import LinearCost, finish_plan, simple_lower_bound, specs_from_groups
+from jaxsb.planner.bound import CountBounds
+from jaxsb.planner.linear import LinearCost, finish_plan, specs_from_groups
 from jaxsb.planner.static import BatchAdaptivePlanner
 from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable, ulysses_runs
 
@@ -94,7 +101,8 @@ class JaxsbPlanner(PlannerBase):
     default), `search_steps` (bisection steps per target, 14), `moves` (local-search move
     budget, 4000), `portfolio` (also consider the batch-adaptive plan, True), `runnable` (what
     the executor runs: its alignment; ulysses groups it cannot run become ring groups) or `align` (buffer
-    alignment for build_plan, for the simulator).
+    alignment for build_plan, for the simulator), `bound` "mip" (default) | "simple" (the lower
+    bound reported and used for pruning, jaxsb.planner.bound).
 
     Budgets: the options of jaxsb.planner.budgeting (`budgets="fixed"|"base"|"dst"`, ...), as
     for every planner; under "dst" the lower bound is taken at every sequence's floor k_min(p)
@@ -105,8 +113,11 @@ class JaxsbPlanner(PlannerBase):
     def __init__(self, cost, num_devices: int, *, time_limit_s: float = 5.0, scheme: str = "ulysses",
                  mb_options: int = 4, degrees: Sequence[int] | None = None, search_steps: int = 14,
                  moves: int = 4000, portfolio: bool = True, align: int = 1, runnable: Runnable | None = None,
-                 **options):
+                 bound: str = "mip", **options):
         check_scheme(self.name, scheme)
+        if bound not in ("mip", "simple"):
+            raise ValueError(f"jaxsb: option bound={bound!r} must be 'mip' or 'simple'")
+        self.bound = bound
         self.cost = cost
         self.init_budgeting(options)
         check_options(self.name, options)
@@ -123,11 +134,12 @@ class JaxsbPlanner(PlannerBase):
         self.lin = LinearCost(cost, self.num_devices, scheme, check_degrees(self.name, degs, self.num_devices))
 
     def lower_bound_at(self, lengths: list[int], budgets) -> float:
-        """Micro-batch overheads times the fewest micro-batches that fit, plus the work beyond,
-        with sequence i at budgets[i] or more."""
+        """A bound on any plan with sequence i at budgets[i] or more (jaxsb.planner.bound)."""
         T, Mm = self.lin.tables(lengths, budgets)
-        m_min, beyond = simple_lower_bound(T, Mm, self.lin.fits(Mm), self.lin, lengths, parts=True)
-        return float(m_min * float(self.lin.base_time.min()) + beyond)
+        return self._bounds(T, Mm, self.lin.fits(Mm)).overall().value_ms
+
+    def _bounds(self, T, Mm, fits) -> CountBounds:
+        return CountBounds(T, Mm, fits, self.lin, use_mip=self.bound == "mip")
 
     def _solve(self, lengths: list[int], budgets) -> tuple[Plan, dict]:
         deadline = time.perf_counter() + self.time_limit_s
@@ -138,20 +150,23 @@ class JaxsbPlanner(PlannerBase):
         T, Mm = lin.tables(lengths, budgets)
         fits = lin.fits(Mm)
         lin.check_fits(lengths, fits)
-        m_min, beyond = simple_lower_bound(T, Mm, fits, lin, lengths, parts=True)
-        overhead = float(lin.base_time.min())
-        lower = m_min * overhead + beyond
+        bounds = self._bounds(T, Mm, fits)
+        m_min = bounds.m_min
 
-        ctx = _Context(lin, T, Mm, fits)
+        ctx = _Context(lin, T, Mm, fits, deadline)
         best, tried, stopped = None, [], False
         for M in range(m_min, min(n, m_min + self.mb_options - 1) + 1):
-            if best is not None and M * overhead + beyond >= best.total() - 1e-9:
+            if best is not None and bounds.simple_at(M) >= best.total() - 1e-9:
                 tried.append((M, "pruned: bound above the best"))
+                break
+            if best is not None and bounds.at(M) >= best.total() - 1e-9:  # the MILP's bound for M
+                tried.append((M, "pruned: python-mip bound above the best"))
                 break
             if time.perf_counter() > deadline and best is not None:
                 stopped = True
                 break
             pk = ctx.search(M, self.search_steps)
+            stopped = stopped or ctx.expired()
             if pk is None:
                 tried.append((M, "infeasible"))
                 continue
@@ -167,7 +182,12 @@ class JaxsbPlanner(PlannerBase):
                 M += 1
             if best is None:
                 raise PlanError(f"jaxsb: no packing of the {n} sequences found on {self.num_devices} devices")
-        baseline = self._baseline(ctx, lengths, budgets) if self.portfolio else None
+        baseline = None
+        if self.portfolio and ctx.expired():
+            tried.append(("batch-adaptive", "skipped: time limit"))
+            stopped = True
+        elif self.portfolio:
+            baseline = self._baseline(ctx, lengths, budgets)
         if baseline is not None:
             tried.append(("batch-adaptive", round(baseline.total(), 1)))
             if baseline.total() < best.total() - 1e-9:
@@ -175,14 +195,15 @@ class JaxsbPlanner(PlannerBase):
         before = best.total()
         moves_done, stopped_ls = ctx.local_search(best, self.moves, deadline)
         stopped = stopped or stopped_ls
+        bound = bounds.overall(upper=best.total())
         specs = [self._specs(g, lengths, budgets) for g in best.as_groups()]
         plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name,
                                self.runnable)
         return plan, dict(
             message=(f"jaxsb: {len(specs)} micro-batches (tried {tried}); local search {moves_done} moves, "
-                     f"{before:.1f} -> {best.total():.1f} ms (additive model)"
-                     + ("; time limit reached, search cut short" if stopped else "")),
-            lower_bound_ms=float(lower), microbatches=len(specs), predicted_ms=plan.predicted_ms,
+                     f"{before:.1f} -> {best.total():.1f} ms (additive model); bound {bound.value_ms:.1f} ms, "
+                     f"{bounds.describe()}" + ("; time limit reached, search cut short" if stopped else "")),
+            lower_bound_ms=bound.value_ms, microbatches=len(specs), predicted_ms=plan.predicted_ms,
             time_limit_hit=stopped)
 
     def _baseline(self, ctx: "_Context", lengths, budgets) -> _Packing | None:
@@ -229,8 +250,10 @@ class JaxsbPlanner(PlannerBase):
 class _Context:
     """Per-batch tables as Python lists (fast scalar access) and the search routines."""
 
-    def __init__(self, lin: LinearCost, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray):
+    def __init__(self, lin: LinearCost, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray,
+                 deadline: float = math.inf):
         self.lin = lin
+        self.deadline = deadline  # past it, searches keep the best packing found so far
         self.N = lin.num_devices
         self.deg = list(lin.degrees)
         self.nd = len(self.deg)
@@ -245,7 +268,6 @@ class _Context:
         key = [next((T[i, j] * lin.degrees[j] for j in range(self.nd) if fits[i, j]), 0.0) for i in range(n)]
         self.order = sorted(range(n), key=lambda i: (-key[i], i))
         self.grid = (1.1, 1.25, 1.5, 2.0)
-        self._upper: dict[int, np.ndarray] = {}
         self.tol = 1e-3
         # least device-time of every sequence, and of the per-group overheads, for quick rejections
         degs = np.asarray(lin.degrees, dtype=np.float64)
@@ -255,10 +277,12 @@ class _Context:
                             for i in range(n)]
 
     # ------------------------------------------------------------------------- packing
-    def pack(self, caps: Sequence[float], reuse: bool = False) -> _Packing | None:
+    def pack(self, caps: Sequence[float], reuse: bool = False, pin: tuple[int, int, int] | None = None
+             ) -> _Packing | None:
         """Places every sequence so that each group of micro-batch b ends by caps[b] (additive
         model), or None when the greedy finds no room (see the module docstring). `reuse`: a long
-        sequence prefers any existing group with room over a new group (tighter in memory)."""
+        sequence prefers any existing group with room over a new group (tighter in memory).
+        `pin` = (i, j, b): sequence i starts a group of degree index j in micro-batch b first."""
         passes = ((True, False), (False, True)) if reuse else ((True, True),)
         M = len(caps)
         N, deg, bt, cap, t, m, fit = self.N, self.deg, self.bt, self.cap, self.t, self.m, self.fit
@@ -271,7 +295,16 @@ class _Context:
         by_deg = [[] for _ in range(self.nd)]
         rest = []
         single = deg[0] == 1
+        if pin is not None:
+            i, j, b = pin
+            if not fit[i][j] or bt[j] + t[i][j] > caps[b] or m[i][j] > cap[j]:
+                return None
+            free[b] -= deg[j]
+            by_deg[j].append(0)
+            groups.append([b, j, bt[j] + t[i][j], m[i][j], [i]])
         for i in self.order:
+            if pin is not None and i == pin[0]:
+                continue
             ti, mi, fi = t[i], m[i], fit[i]
             if single and fi[0] and bt[0] + ti[0] <= low:
                 rest.append(i)
@@ -394,19 +427,15 @@ class _Context:
             for mb, gs in by_mb.items():
                 if len(gs) < 2:
                     continue
-                # every pair (a before b in by_deg order) at once; the sums associate as
-                # need + a + b, and argmin takes the first of equal loads in (a, b) order
                 ts = np.array([x[0] for x in gs])
                 ms = np.array([x[1] for x in gs])
-                load = (need_t + ts)[:, None] + ts[None, :]
-                mem = (need_m + ms)[:, None] + ms[None, :]
-                ok = self._pairs(len(gs)) & (mem <= cap[k]) & (load <= caps[mb])
-                if not ok.any():
+                pair = self._best_pair(ts, ms, need_t, need_m, cap[k], caps[mb])
+                if pair is None:
                     continue
-                pa, pb = divmod(int(np.argmin(np.where(ok, load, np.inf))), len(gs))
-                if best is None or load[pa, pb] < best[0]:
+                pa, pb, load, mem = pair
+                if best is None or load < best[0]:
                     a, b = gs[pa][2], gs[pb][2]
-                    best = (float(load[pa, pb]), float(mem[pa, pb]), a, b, k, groups[a][4] + groups[b][4])
+                    best = (load, mem, a, b, k, groups[a][4] + groups[b][4])
             if best is not None:
                 break
         if best is None:
@@ -421,18 +450,56 @@ class _Context:
         groups[b][0] = -1  # no longer on any device
         return True
 
-    def _pairs(self, n: int) -> np.ndarray:
-        """[n, n] bool, True above the diagonal: every pair once (cached per n)."""
-        if n not in self._upper:
-            self._upper[n] = np.triu(np.ones((n, n), dtype=bool), 1)
-        return self._upper[n]
+    def _best_pair(self, ts: np.ndarray, ms: np.ndarray, need_t: float, need_m: float, mem_cap: float,
+                   time_cap: float):
+        """(a, b, load, memory) of the pair a < b minimising need_t + ts[a] + ts[b] within both caps
+        (sums associated in that order, the first of equal loads in (a, b) order), or None. Only
+        groups that could be in some pair within the caps (against the lightest other) are
+        paired, in their order. When more than LIGHTEST remain (hundreds of devices), the best
+        pair among the LIGHTEST lightest is taken if they have one (an n x n table of thousands
+        of groups per merge cost ~50 ms), else every pair is tried."""
+        if len(ts) < 2:
+            return None
+        t1, t2 = np.partition(ts, 1)[:2]
+        m1, m2 = np.partition(ms, 1)[:2]
+        if need_t + t1 + t2 > time_cap * (1 + 1e-12) or need_m + m1 + m2 > mem_cap * (1 + 1e-12):
+            return None
+        keep = np.flatnonzero((need_t + t1 + ts <= time_cap * (1 + 1e-12)) & (need_m + m1 + ms <= mem_cap * (1 + 1e-12)))
+        if len(keep) < 2:
+            return None
+        ts, ms = ts[keep], ms[keep]
+        if len(ts) > self.LIGHTEST + 1:  # many groups: the best pair of the lightest, if they have one
+            part = np.argpartition(ts, self.LIGHTEST)
+            sub = np.sort(part[:self.LIGHTEST])
+            found = self._pair_of(ts[sub], ms[sub], need_t, need_m, mem_cap, time_cap)
+            if found is not None:
+                return int(keep[sub[found[0]]]), int(keep[sub[found[1]]]), found[2], found[3]
+        found = self._pair_of(ts, ms, need_t, need_m, mem_cap, time_cap)
+        return None if found is None else (int(keep[found[0]]), int(keep[found[1]]), found[2], found[3])
 
-    def _bisect(self, make_caps, lo: float, hi: float, steps: int, best, reuse: bool = False):
+    LIGHTEST = 64
+
+    @staticmethod
+    def _pair_of(ts, ms, need_t, need_m, mem_cap, time_cap):
+        """_best_pair over every pair of these groups, as n x n tables."""
+        load = (need_t + ts)[:, None] + ts[None, :]
+        mem = (need_m + ms)[:, None] + ms[None, :]
+        n = len(ts)
+        ok = (np.arange(n)[:, None] < np.arange(n)[None, :]) & (mem <= mem_cap) & (load <= time_cap)
+        if not ok.any():
+            return None
+        a, b = divmod(int(np.argmin(np.where(ok, load, np.inf))), n)
+        return a, b, float(load[a, b]), float(mem[a, b])
+
+    def expired(self) -> bool:
+        return time.perf_counter() > self.deadline
+
+    def _bisect(self, make_caps, lo: float, hi: float, steps: int, best, reuse: bool = False, pin=None):
         """Smallest feasible x in [lo, hi] for caps = make_caps(x) (hi assumed feasible or found by
         growing it); returns the best packing seen (by its sum of spans) and the x reached."""
         found = None
         for _ in range(40):
-            pk = self.pack(make_caps(hi), reuse)
+            pk = self.pack(make_caps(hi), reuse, pin)
             if pk is not None:
                 found = pk
                 break
@@ -442,10 +509,10 @@ class _Context:
         if best is None or found.total() < best.total():
             best = found
         for _ in range(steps):
-            if hi - lo <= self.tol * hi:
+            if hi - lo <= self.tol * hi or self.expired():
                 break
             mid = 0.5 * (lo + hi)
-            pk = self.pack(make_caps(mid), reuse)
+            pk = self.pack(make_caps(mid), reuse, pin)
             if pk is None:
                 lo = mid
             else:
@@ -470,12 +537,23 @@ class _Context:
         heavy = sorted({self.bt[j] + self.t[i0][j] for j in range(self.nd) if self.fit[i0][j]}
                        | {tu * f for f in self.grid})
         for th in heavy:
+            if self.expired():
+                return best
             if th <= tu * 1.0001:
                 continue
             x_lo = max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
             if x_lo >= tu or th + (M - 1) * x_lo >= best.total():
                 continue  # cannot beat the best packing
             best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, tu, steps, best)
+        # the longest sequence at the smallest degree whose group ends before the uniform target,
+        # pinned to a micro-batch of its own length; the others share the rest (one more bisection)
+        j = next((j for j in range(self.nd) if self.fit[i0][j] and self.bt[j] + self.t[i0][j] < tu), None)
+        if j is not None and not self.expired():
+            th = self.bt[j] + self.t[i0][j]
+            x_lo = max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
+            if th + (M - 1) * x_lo < best.total():
+                best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, max(x_lo, tu) * 1.1, steps, best,
+                                       pin=(i0, j, 0))
         return best
 
     # ---------------------------------------------------------------------- local search

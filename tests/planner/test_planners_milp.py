@@ -222,6 +222,21 @@ def test_milp_time_out_falls_back_and_says_so():
     assert "fell back" in info["message"] and "0.001 s" in info["message"]
 
 
+def test_jaxsb_time_limit_keeps_the_first_packing_and_says_so():
+    """Past time_limit_s the search stops at its first feasible packing (it used to go on through
+    every target of a micro-batch count), skips the batch-adaptive candidate, and says so."""
+    rng = np.random.default_rng(1)
+    cost = load_preset("flexsp-a100:gpt-7b", num_devices=64, max_len=192000)
+    lengths = random_batch(rng, 512, 64, mean=1000, max_len=150000)
+    full = JaxsbPlanner(cost, 64).solve(lengths)
+    cut = JaxsbPlanner(cost, 64, time_limit_s=1e-9).solve(lengths)
+    check_feasible(cost, cut.plan, lengths)
+    assert not full.info["time_limit_hit"] and "time limit" not in full.info["message"]
+    assert cut.info["time_limit_hit"] is True
+    assert "time limit reached" in cut.info["message"] and "skipped: time limit" in cut.info["message"]
+    assert cut.info["lower_bound_ms"] <= full.plan.predicted_ms <= cut.plan.predicted_ms + 1e-6
+
+
 @pytest.mark.parametrize("make", [lambda c: JaxsbPlanner(c, 4), lambda c: FlexSPPlanner(c, 4)])
 def test_sequence_too_long_for_all_devices(make):
     cost = tiny_cost()
@@ -305,3 +320,58 @@ def test_jaxsb_group_merges_match_the_pairwise_loop(monkeypatch):
     batches, _, _ = make_batches(synthetic_lengths("bimodal", 0), n, 64, L, 2, align=2 * n)
     plan = make_planners(["jaxsb"], [], cost, n)[0]["jaxsb"].plan(batches[1])
     assert validate(plan) and len(checked) >= 100 and any(checked)
+
+
+def test_jaxsb_best_pair_against_a_plain_loop():
+    """_best_pair (the merge's pair choice): with few groups, the plain loop's pair over every
+    pair (least load within both caps, the first in pair order); with more than LIGHTEST, the
+    plain loop's pair among the LIGHTEST lightest when they have one, else over every pair."""
+    from jaxsb.planner.joint import _Context
+
+    def loop(ts, ms, need_t, need_m, mem_cap, time_cap, among):
+        best = None
+        for a, b in itertools.combinations(sorted(among), 2):
+            load, mem = need_t + ts[a] + ts[b], need_m + ms[a] + ms[b]
+            if mem <= mem_cap and load <= time_cap and (best is None or load < best[2]):
+                best = (a, b, load, mem)
+        return best
+
+    ctx = _Context.__new__(_Context)  # _best_pair reads no batch tables
+    rng = np.random.default_rng(4)
+    K = _Context.LIGHTEST
+    for n, case in [(10, "few"), (40, "few"), (200, "lightest"), (200, "lightest full"), (150, "none fit")]:
+        for _ in range(5):
+            ts = np.round(rng.uniform(1, 20, n), 1)  # rounded: equal loads happen, the order decides
+            ts[np.argsort(ts, kind="stable")[K:]] += 1e-3  # no tie across the lightest's border
+            ms = rng.uniform(1, 10, n)
+            lightest = set(np.argsort(ts, kind="stable")[:K].tolist())
+            if case == "lightest full":  # the lightest cannot pair in memory: every pair is tried
+                ms[list(lightest)] = 9.5
+            mem_cap = 8.0 if case == "none fit" else 12.0
+            if case == "none fit":
+                ms = np.maximum(ms, 4.5)
+            got = ctx._best_pair(ts, ms, 1.0, 0.5, mem_cap, 30.0)
+            among = lightest if case == "lightest" else range(n)
+            want = loop(ts, ms, 1.0, 0.5, mem_cap, 30.0, among)
+            assert (got is None) == (want is None), (n, case)
+            if want is not None:
+                assert got[:2] == want[:2] and got[2] == pytest.approx(want[2]) and got[3] == pytest.approx(want[3])
+
+
+def test_jaxsb_best_pair_keeps_to_the_lightest_when_they_pair():
+    """Built so that the best of all pairs needs a heavier group: the lightest group pairs in
+    memory only with a heavier one, the other lightest pair among themselves."""
+    from jaxsb.planner.joint import _Context
+
+    K = _Context.LIGHTEST
+    n = K + 20
+    ts = np.concatenate([[0.0], np.linspace(5.0, 6.0, n - 1)])
+    ms = np.full(n, 5.7)
+    ms[0], ms[K + 5] = 6.5, 1.0  # 0 cannot pair with the other lightest (0.5 + 6.5 + 5.7 > 12)
+    ctx = _Context.__new__(_Context)
+    a, b, load, _ = ctx._best_pair(ts, ms, 1.0, 0.5, 12.0, 30.0)
+    assert (a, b) == (1, 2) and load == pytest.approx(1.0 + ts[1] + ts[2])
+    # with the lightest unable to pair at all, every pair is tried: 0 with the memory-light one
+    ms[1:K] = 6.0
+    a, b, load, _ = ctx._best_pair(ts, ms, 1.0, 0.5, 12.0, 30.0)
+    assert (a, b) == (0, K + 5)
