@@ -2,6 +2,7 @@
 constructor change once broke scripts/bench_train.py and nothing noticed). Speed is not
 asserted here: the benchmarks print measured ratios; this checks they run and print them."""
 
+import json
 import os
 import subprocess
 import sys
@@ -49,7 +50,6 @@ def test_check_hf_export_exports_and_checks_where_transformers_is(tmp_path):
 
 def test_measure_coverage_feeds_the_simulator(tmp_path):
     """A real model's coverage curves (SmolLM2, two short documents) -> simulate --coverage FILE."""
-    import json
 
     path = tmp_path / "coverage.json"
     out = _run("scripts/measure_coverage.py", "--docs", "2", "--max-len", "600", "--block", "64", "--max-k", "16",
@@ -72,6 +72,20 @@ def test_bench_plan_wire_sends_the_plan_through_a_coordinator():
     out = _run("scripts/bench_plan_wire.py", "--devices", "16", "--global-batch", "32", "--max-len", "16384",
                "--dist", "long-tail", "--planner", "jaxsb", "--repeats", "2")
     assert "packed (plan message v3)" in out and "ratio plain/packed:" in out, out
+
+
+def test_bench_planner_scale_prints_the_sizes_and_the_plot(tmp_path):
+    out = _run("scripts/bench_planner_scale.py", "--dist", "long-tail", "--sizes", "8x32,16x64", "--max-len", "16384",
+               "--out", str(tmp_path))
+    rows = [line.split() for line in out.splitlines() if line.split()[:2] in (["8", "32"], ["16", "64"])]
+    assert len(rows) == 2 and all(r[-1] == "yes" for r in rows), out
+    assert "log-log slope of solve time against devices:" in out, out
+    data = json.loads((tmp_path / "scale.json").read_text())
+    assert [(r["devices"], r["sequences"]) for r in data["results"]] == [(8, 32), (16, 64)]
+    assert all(s["modeled_ms"] >= s["bound_ms"] > 0 for r in data["results"] for s in r["steps"])
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    with pytest.raises(AssertionError, match="DEVICESxSEQUENCES"):
+        _run("scripts/bench_planner_scale.py", "--dist", "long-tail", "--sizes", "8by32")
 
 
 def test_bench_budgets_prints_the_three_runs():

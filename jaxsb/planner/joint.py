@@ -11,8 +11,8 @@ lower bound for M is already worse than the best plan found):
    then "one heavy micro-batch" targets (the longest sequence's time at each degree, and
    1.1 / 1.25 / 1.5 / 2 x T) with the other targets bisected, and one "short heavy" target:
    the longest sequence pinned, at the smallest degree whose group ends before T, to a
-   micro-batch of exactly its length (its group holds all the devices it needs at once). For given targets, `_Context.pack`
-   places sequences longest first: a sequence that cannot run alone on one device within the
+   micro-batch of exactly its length (its group holds all the devices it needs at once). For
+   given targets, `_Context.pack` places sequences longest first: a sequence that cannot run alone on one device within the
    smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
    a target — into an existing group of that degree with room (best fit), else into a new group
    in the micro-batch with the highest target, then the most free devices (when memory is so
@@ -30,9 +30,9 @@ lower bound for M is already worse than the best plan found):
    staying below the giver), or else swaps it with a shorter one there, until no micro-batch
    improves or the move budget is spent.
 
-No step depends on the wall clock (`time_limit_s` is only a safety net: past it every search
-keeps the best packing it has, and the SolveInfo says so), so the same input always gives the
-same plan.
+No step depends on the wall clock until `time_limit_s` runs out (a safety net: past it every
+search keeps the best packing it has, and the SolveInfo says so), so the same input gives the
+same plan whenever the limit is not reached.
 
 The result's time is the cost model's `plan_time_ms`. `lower_bound_ms` is a valid lower bound
 on any plan's time under the additive model, from a small MILP per micro-batch count solved
@@ -250,6 +250,8 @@ class JaxsbPlanner(PlannerBase):
 class _Context:
     """Per-batch tables as Python lists (fast scalar access) and the search routines."""
 
+    LIGHTEST = 64  # a merge among more groups than this pairs the lightest first (_best_pair)
+
     def __init__(self, lin: LinearCost, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray,
                  deadline: float = math.inf):
         self.lin = lin
@@ -460,11 +462,12 @@ class _Context:
         of groups per merge cost ~50 ms), else every pair is tried."""
         if len(ts) < 2:
             return None
+        slack = 1 + 1e-12  # a pair's sum associates in its own order: keep what rounding could admit
         t1, t2 = np.partition(ts, 1)[:2]
         m1, m2 = np.partition(ms, 1)[:2]
-        if need_t + t1 + t2 > time_cap * (1 + 1e-12) or need_m + m1 + m2 > mem_cap * (1 + 1e-12):
+        if need_t + t1 + t2 > time_cap * slack or need_m + m1 + m2 > mem_cap * slack:
             return None
-        keep = np.flatnonzero((need_t + t1 + ts <= time_cap * (1 + 1e-12)) & (need_m + m1 + ms <= mem_cap * (1 + 1e-12)))
+        keep = np.flatnonzero((need_t + t1 + ts <= time_cap * slack) & (need_m + m1 + ms <= mem_cap * slack))
         if len(keep) < 2:
             return None
         ts, ms = ts[keep], ms[keep]
@@ -476,8 +479,6 @@ class _Context:
                 return int(keep[sub[found[0]]]), int(keep[sub[found[1]]]), found[2], found[3]
         found = self._pair_of(ts, ms, need_t, need_m, mem_cap, time_cap)
         return None if found is None else (int(keep[found[0]]), int(keep[found[1]]), found[2], found[3])
-
-    LIGHTEST = 64
 
     @staticmethod
     def _pair_of(ts, ms, need_t, need_m, mem_cap, time_cap):

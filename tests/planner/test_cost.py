@@ -161,3 +161,36 @@ def test_token_capacity_bisects_models_without_their_own():
 
     assert token_capacity(NoCap(), 4) == 640 == token_capacity(base, 4)
     assert math.isfinite(base.group_time_ms(1, [10]))
+
+
+def test_gpu_nodes_groups_stay_inside_a_node_and_pay_infiniband_beyond():
+    """On 8-GPU nodes (gpu-h100: NVLink inside, InfiniBand between, data-sheet figures) a group
+    of up to 8 devices communicates at NVLink's bandwidth and one of 16 or more at InfiniBand's,
+    and the jaxsb planner's groups of up to 8 never straddle a node boundary."""
+    from jaxsb.planner.hardware import CHIPS
+    from jaxsb.planner.joint import JaxsbPlanner
+    from jaxsb.planner.simulation import make_batches, preset_options, synthetic_lengths
+    from jaxsb.simulate import chip_cost
+
+    n, node = 32, CHIPS["gpu-h100"].devices_per_node
+    cost = chip_cost("gpu-h100", None, n, preset_options("gpu-h100", n, 1 << 21, []))
+    chip = CHIPS["gpu-h100"]
+    for table in (cost.ulysses_ms_per_token, cost.ring_ms_per_token):
+        # per token: bytes x (d-1)/d (ulysses) or bytes (ring hop) over the link it spans
+        scale = {d: (d - 1) / d if table is cost.ulysses_ms_per_token else 1.0 for d in (8, 16)}
+        ratio = (table[16] / scale[16]) / (table[8] / scale[8])
+        assert ratio == pytest.approx(chip.intra_gbs / chip.inter_gbs)
+    batches, _, _ = make_batches(synthetic_lengths("bimodal", 1), n, 96, 65536, 2, align=2 * n)
+    batches.append([1 << 20] + [4096] * 31 + [64] * 64)  # one 1M-token sequence: sharded past a node
+    spanning = 0
+    for batch in batches:
+        plan = JaxsbPlanner(cost, n, scheme="ring").plan(batch)
+        for mb in plan.template.microbatches:
+            for g in mb.groups:
+                first, last = g.start // node, (g.start + g.degree - 1) // node
+                if g.degree <= node:
+                    assert first == last, (g, plan.summary())
+                else:
+                    assert g.start % node == 0 and g.degree % node == 0
+                    spanning += 1
+    assert spanning, "no group spans nodes: the check above saw no large group"
