@@ -9,9 +9,11 @@ together. The simple bound knows only "every micro-batch costs at least the smal
 overhead" and "all work spread over N devices, or the longest sequence alone". This one also
 knows *where* the long sequences go and what memory forces:
 
-For a fixed micro-batch count M, the `longest` K sequences (by their least time alone) are
-placed exactly (binary x[r, j, b]: sequence r at degree j in micro-batch b); the others are
-fluid, in `classes` classes sorted by time per memory unit. Micro-batch b's span s_b obeys
+For a fixed micro-batch count M, the K longest sequences (by their least time alone: the
+longest, and at most `longest` whose own time is at least `long_factor` times the median
+sequence's) are placed exactly (binary x[r, j, b]: sequence r at degree j in micro-batch b); the
+others are fluid, in `classes` classes sorted by time per memory unit. Micro-batch b's span
+s_b obeys
 
 - s_b >= min overhead + (base_time[j] - min overhead + t[r, j]) for each long r placed there
   at degree j (its group lasts at least that);
@@ -29,29 +31,37 @@ fluid, in `classes` classes sorted by time per memory unit. Micro-batch b's span
 
 Every real plan gives a feasible point (its placement of the long sequences, each class's
 memory shares, each micro-batch's true span), so the MILP's optimum — and CBC's best bound when
-it stops early — is a lower bound for plans of M micro-batches. Over all M: the MILP's for
+it stops early, less CBC's cutoff increment — is a lower bound for plans of M micro-batches. Over all M: the MILP's for
 m_min <= M <= M_hi, and for M > M_hi the simple bound at M_hi + 1 (it grows with M), with M_hi
 the first count whose simple bound reaches `upper` (a known plan's time) or m_min + `counts`.
-CBC runs single-threaded with a node limit, so the same input gives the same bound.
+CBC runs single-threaded with a node limit, so the same input gives the same bound unless a
+time limit (`max_seconds`, or the planner's deadline) stops it first.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 
 import numpy as np
 
 from jaxsb.planner.linear import LinearCost, simple_lower_bound
 
 
+CBC_MARGIN_ABS, CBC_MARGIN_REL = 1e-5, 1e-7  # what CBC's cutoff may pass an optimum by (count_bound)
+
+
 @dataclasses.dataclass(frozen=True)
 class BoundOptions:
-    """`longest`: sequences placed exactly (K); `classes`: fluid classes of the others;
+    """`longest`: sequences placed exactly at most (K), those whose own time is at least
+    `long_factor` times the median sequence's (the longest always); `classes`: fluid classes
+    of the others;
     `counts`: micro-batch counts given a MILP at most; `max_nodes` / `max_seconds`: CBC's limits
     per count (seconds a safety net only: the node limit keeps the bound deterministic)."""
 
     longest: int = 12
+    long_factor: float = 4.0
     classes: int = 16
     counts: int = 4
     max_nodes: int = 2000
@@ -61,6 +71,8 @@ class BoundOptions:
         for name in ("longest", "classes", "counts", "max_nodes"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"bound option {name}={getattr(self, name)!r} must be >= 1")
+        if not self.long_factor >= 0:
+            raise ValueError(f"bound option long_factor={self.long_factor!r} must be >= 0")
         if not self.max_seconds > 0:
             raise ValueError(f"bound option max_seconds={self.max_seconds!r} must be > 0")
 
@@ -84,8 +96,9 @@ def _least(T, Mm, fits, lin: LinearCost):
 
 
 def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost, M: int,
-                options: BoundOptions = BoundOptions()) -> tuple[float, str]:
-    """(bound on any plan of exactly M micro-batches, CBC's status); inf when none exists."""
+                options: BoundOptions = BoundOptions(), max_seconds: float = math.inf) -> tuple[float, str]:
+    """(bound on any plan of exactly M micro-batches, CBC's status); inf when none exists.
+    CBC stops at options.max_seconds or `max_seconds`, whichever is first (its bound then)."""
     import mip
 
     n, N = len(T), lin.num_devices
@@ -95,7 +108,12 @@ def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost
     per_mb = float((lin.limit - lin.base_mem.min()) * N)
     work, units, alone = _least(T, Mm, fits, lin)
     order = np.argsort(-alone, kind="stable")
-    longs, shorts = order[:options.longest], order[options.longest:]
+    # placed exactly: the longest, and up to `longest` of those whose own time (beyond the
+    # overhead) is at least `long_factor` times the median's (many near-equal sequences placed
+    # exactly only make CBC branch over their symmetric placements)
+    own = alone[order] - b0
+    k = max(1, min(options.longest, int(np.count_nonzero(own >= options.long_factor * float(np.median(own))))))
+    longs, shorts = order[:k], order[k:]
     rho = work[shorts] / np.maximum(units[shorts], 1e-300)
     by_rho = shorts[np.argsort(rho, kind="stable")]
     classes = [c for c in np.array_split(by_rho, min(options.classes, len(by_rho))) if len(c)] if len(by_rho) else []
@@ -154,25 +172,28 @@ def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost
             m += (N * (s[b] - b0 - (bt[full] - b0) * alone) >= mip.xsum(deg[j] * T[longs[r], j] * v for r, j, v in here)
                   + mip.xsum(wide_work))
     m.objective = mip.minimize(mip.xsum(s))
-    status = m.optimize(max_seconds=options.max_seconds, max_nodes=options.max_nodes)
+    status = m.optimize(max_seconds=min(options.max_seconds, max_seconds), max_nodes=options.max_nodes)
     name = str(status).rsplit(".", 1)[-1]
     if status == mip.OptimizationStatus.INFEASIBLE:
         return math.inf, name
     value = m.objective_bound
     if value is None or not math.isfinite(value) or abs(value) > 1e30:
         return M * b0, name  # no usable bound from CBC: the overheads alone
-    return max(float(value), M * b0), name
+    # CBC prunes nodes within its cutoff increment of the incumbent: its bound may pass the
+    # optimum by that much, so that much is taken off
+    return max(float(value) - CBC_MARGIN_ABS - CBC_MARGIN_REL * abs(float(value)), M * b0), name
 
 
 class CountBounds:
     """Bounds per micro-batch count for one batch, each MILP solved once (memoised): `at(M)` for
-    plans of exactly M micro-batches, `overall(upper)` for any plan. `use_mip=False`: the simple
-    bound alone (no MILP)."""
+    plans of exactly M micro-batches, `overall(upper)` for any plan. `use_mip=False`: the simple bound alone (no MILP). Past `deadline` (a
+    time.perf_counter() value) no MILP starts and a running one stops: the bounds fall back to
+    the simple one, and then depend on the wall clock."""
 
     def __init__(self, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost,
-                 options: BoundOptions = BoundOptions(), use_mip: bool = True):
+                 options: BoundOptions = BoundOptions(), use_mip: bool = True, deadline: float = math.inf):
         self.T, self.Mm, self.fits, self.lin = T, Mm, fits, lin
-        self.options, self.use_mip = options, use_mip
+        self.options, self.use_mip, self.deadline = options, use_mip, deadline
         self.n = len(T)
         self.m_min, self.beyond = simple_lower_bound(T, Mm, fits, lin, None, parts=True) if self.n else (1, 0.0)
         self.overhead = float(lin.base_time.min())
@@ -185,8 +206,9 @@ class CountBounds:
     def at(self, M: int) -> float:
         if M > self.n:
             return math.inf
-        if self.use_mip and M not in self.solved:
-            self.solved[M] = count_bound(self.T, self.Mm, self.fits, self.lin, M, self.options)
+        left = self.deadline - time.perf_counter()
+        if self.use_mip and M not in self.solved and left > 0:
+            self.solved[M] = count_bound(self.T, self.Mm, self.fits, self.lin, M, self.options, left)
         return max(self.simple_at(M), self.solved[M][0] if M in self.solved else 0.0)
 
     def overall(self, upper: float = math.inf) -> Bound:

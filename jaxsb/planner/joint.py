@@ -37,9 +37,11 @@ same plan whenever the limit is not reached.
 The result's time is the cost model's `plan_time_ms`. `lower_bound_ms` is a valid lower bound
 on any plan's time under the additive model, from a small MILP per micro-batch count solved
 by python-mip's CBC (jaxsb.planner.bound: the longest sequences placed exactly, the others as
-memory-carrying fluid), so the gap to optimal is visible; the same per-count bounds prune
-the micro-batch counts the search tries. `bound="simple"` uses the closed-form bound of
-linear.simple_lower_bound instead (no MILP).
+memory-carrying fluid), solved after the search in at most min(time_limit_s, 2 s), so the gap
+to optimal is visible. (Pruning the micro-batch counts with it was tried: a packing of M
+targets may leave a micro-batch empty, so a valid prune needs the bound for up to M
+micro-batches, which only reaches the best plan when that plan is already optimal.)
+`bound="simple"` uses the closed-form bound of linear.simple_lower_bound instead (no MILP).
 
 Scheme: "ulysses" (default; heterogeneous all-to-all groups, as FlexSP, for the simulator) or
 "ring" (what jaxsb's executor runs for groups of different degrees); with "ring", a micro-batch
@@ -102,7 +104,7 @@ class JaxsbPlanner(PlannerBase):
     budget, 4000), `portfolio` (also consider the batch-adaptive plan, True), `runnable` (what
     the executor runs: its alignment; ulysses groups it cannot run become ring groups) or `align` (buffer
     alignment for build_plan, for the simulator), `bound` "mip" (default) | "simple" (the lower
-    bound reported and used for pruning, jaxsb.planner.bound).
+    bound reported, jaxsb.planner.bound).
 
     Budgets: the options of jaxsb.planner.budgeting (`budgets="fixed"|"base"|"dst"`, ...), as
     for every planner; under "dst" the lower bound is taken at every sequence's floor k_min(p)
@@ -159,9 +161,6 @@ class JaxsbPlanner(PlannerBase):
             if best is not None and bounds.simple_at(M) >= best.total() - 1e-9:
                 tried.append((M, "pruned: bound above the best"))
                 break
-            if best is not None and bounds.at(M) >= best.total() - 1e-9:  # the MILP's bound for M
-                tried.append((M, "pruned: python-mip bound above the best"))
-                break
             if time.perf_counter() > deadline and best is not None:
                 stopped = True
                 break
@@ -195,6 +194,8 @@ class JaxsbPlanner(PlannerBase):
         before = best.total()
         moves_done, stopped_ls = ctx.local_search(best, self.moves, deadline)
         stopped = stopped or stopped_ls
+        # the bound's own time after the search, at most min(time_limit_s, 2 s) of MILPs
+        bounds.deadline = time.perf_counter() + min(self.time_limit_s, 2.0)
         bound = bounds.overall(upper=best.total())
         specs = [self._specs(g, lengths, budgets) for g in best.as_groups()]
         plan = finish_plan(self.cost, self.num_devices, specs, lengths, budgets, self.align, self.name,
@@ -500,6 +501,8 @@ class _Context:
         growing it); returns the best packing seen (by its sum of spans) and the x reached."""
         found = None
         for _ in range(40):
+            if best is not None and self.expired():
+                return best, None
             pk = self.pack(make_caps(hi), reuse, pin)
             if pk is not None:
                 found = pk

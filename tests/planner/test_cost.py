@@ -169,12 +169,12 @@ def test_gpu_nodes_groups_stay_inside_a_node_and_pay_infiniband_beyond():
     and the jaxsb planner's groups of up to 8 never straddle a node boundary."""
     from jaxsb.planner.hardware import CHIPS
     from jaxsb.planner.joint import JaxsbPlanner
-    from jaxsb.planner.simulation import make_batches, preset_options, synthetic_lengths
-    from jaxsb.simulate import chip_cost
+    from jaxsb.planner.simulation import make_batches, synthetic_lengths
+    from tests.chip_costs import default_model_cost
 
-    n, node = 32, CHIPS["gpu-h100"].devices_per_node
-    cost = chip_cost("gpu-h100", None, n, preset_options("gpu-h100", n, 1 << 21, []))
-    chip = CHIPS["gpu-h100"]
+    n, chip = 32, CHIPS["gpu-h100"]
+    node = chip.devices_per_node
+    cost = default_model_cost("gpu-h100", n)
     for table in (cost.ulysses_ms_per_token, cost.ring_ms_per_token):
         # per token: bytes x (d-1)/d (ulysses) or bytes (ring hop) over the link it spans
         scale = {d: (d - 1) / d if table is cost.ulysses_ms_per_token else 1.0 for d in (8, 16)}

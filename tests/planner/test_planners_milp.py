@@ -228,7 +228,7 @@ def test_jaxsb_time_limit_keeps_the_first_packing_and_says_so():
     rng = np.random.default_rng(1)
     cost = load_preset("flexsp-a100:gpt-7b", num_devices=64, max_len=192000)
     lengths = random_batch(rng, 512, 64, mean=1000, max_len=150000)
-    full = JaxsbPlanner(cost, 64).solve(lengths)
+    full = JaxsbPlanner(cost, 64, time_limit_s=120).solve(lengths)
     cut = JaxsbPlanner(cost, 64, time_limit_s=1e-9).solve(lengths)
     check_feasible(cost, cut.plan, lengths)
     assert not full.info["time_limit_hit"] and "time limit" not in full.info["message"]
@@ -278,8 +278,8 @@ def test_jaxsb_group_merges_match_the_pairwise_loop(monkeypatch):
     memory-tight 16-GPU step of the bimodal mix (160 merges, 18 of them with a choice among
     pairs of different loads)."""
     from jaxsb.planner import joint
-    from jaxsb.planner.simulation import make_batches, make_planners, preset_options, synthetic_lengths
-    from jaxsb.simulate import chip_cost
+    from jaxsb.planner.simulation import make_batches, make_planners, synthetic_lengths
+    from tests.chip_costs import default_model_cost
 
     def reference(ctx, i, caps, groups, by_deg):
         t, m, cap, fit, bt, deg = ctx.t, ctx.m, ctx.cap, ctx.fit, ctx.bt, ctx.deg
@@ -316,7 +316,7 @@ def test_jaxsb_group_merges_match_the_pairwise_loop(monkeypatch):
 
     monkeypatch.setattr(joint._Context, "_merge_for", checking)
     n, L = 16, 192000
-    cost = chip_cost("gpu-h100", None, n, preset_options("gpu-h100", n, L, []))
+    cost = default_model_cost("gpu-h100", n)
     batches, _, _ = make_batches(synthetic_lengths("bimodal", 0), n, 64, L, 2, align=2 * n)
     plan = make_planners(["jaxsb"], [], cost, n)[0]["jaxsb"].plan(batches[1])
     assert validate(plan) and len(checked) >= 100 and any(checked)
@@ -339,7 +339,8 @@ def test_jaxsb_best_pair_against_a_plain_loop():
     ctx = _Context.__new__(_Context)  # _best_pair reads no batch tables
     rng = np.random.default_rng(4)
     K = _Context.LIGHTEST
-    for n, case in [(10, "few"), (40, "few"), (200, "lightest"), (200, "lightest full"), (150, "none fit")]:
+    for n, case in [(10, "few"), (40, "few"), (200, "lightest"), (200, "lightest full"), (150, "none fit"),
+                    (120, "some too heavy")]:
         for _ in range(5):
             ts = np.round(rng.uniform(1, 20, n), 1)  # rounded: equal loads happen, the order decides
             ts[np.argsort(ts, kind="stable")[K:]] += 1e-3  # no tie across the lightest's border
@@ -347,6 +348,9 @@ def test_jaxsb_best_pair_against_a_plain_loop():
             lightest = set(np.argsort(ts, kind="stable")[:K].tolist())
             if case == "lightest full":  # the lightest cannot pair in memory: every pair is tried
                 ms[list(lightest)] = 9.5
+            if case == "some too heavy":  # the pre-filter drops these, the others still pair
+                ts[::3] = 29.5
+                ms[1::3] = 11.0
             mem_cap = 8.0 if case == "none fit" else 12.0
             if case == "none fit":
                 ms = np.maximum(ms, 4.5)
