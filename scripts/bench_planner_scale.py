@@ -22,7 +22,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,31 +41,21 @@ def parse_sizes(text: str) -> list[tuple[int, int]]:
 
 
 def measure(preset: str, devices: int, seqs: int, args) -> dict:
-    """Plans `args.steps` batches for one size; the figures of the size's row."""
-    from jaxsb.plan import validate
-    from jaxsb.planner.cost import plan_memory_mb
-    from jaxsb.planner.simulation import make_batches, make_planners, preset_options, read_lengths, synthetic_lengths
+    """Plans `args.steps` batches for one size with the simulator's loop (jaxsb.planner.simulation.run:
+    plans are built and validated, their memory checked against the limit); the size's row."""
+    from jaxsb.planner.simulation import make_batches, make_planners, preset_options, read_lengths, run, synthetic_lengths
     from jaxsb.simulate import simulator_cost
 
     cost = simulator_cost(preset, None, devices, preset_options(preset, devices, args.max_len, []))
-    planner = make_planners(["jaxsb"], [], cost, devices, args.time_limit, None, None)[0]["jaxsb"]
+    planners = make_planners(["jaxsb"], [], cost, devices, args.time_limit, None, None)[0]
     source = read_lengths(args.lengths) if args.lengths else synthetic_lengths(args.dist, 0)
     batches, _, _ = make_batches(source, devices, seqs, args.max_len, args.steps, align=2 * devices)
     if len(batches) < args.steps:
         raise SystemExit(f"error: {devices}x{seqs}: only {len(batches)} full batches of {seqs} sequences")
-    rows = []
-    for batch in batches:
-        t = time.perf_counter()
-        solution = planner.solve(batch)
-        seconds = time.perf_counter() - t
-        plan, info = solution.plan, solution.info
-        validate(plan)
-        placed = plan.lengths == tuple(batch) and len(plan.placements) == len(batch)  # one placement each
-        feasible = placed and plan_memory_mb(cost, plan) <= cost.memory_limit_mb and all(
-            sum(g.degree for g in mb.groups) == devices for mb in plan.template.microbatches)
-        rows.append(dict(seconds=seconds, modeled_ms=plan.predicted_ms, bound_ms=info["lower_bound_ms"],
-                         microbatches=len(plan.template.microbatches), feasible=bool(feasible),
-                         time_limit_hit=bool(info.details.get("time_limit_hit"))))
+    steps = run(cost, planners, batches, log=print)["jaxsb"]["steps"]
+    rows = [dict(seconds=s["solve_seconds"], modeled_ms=s["modeled_ms"], bound_ms=s["lower_bound_ms"],
+                 microbatches=len(s["microbatches"]), feasible=s["feasible"],
+                 time_limit_hit=s.get("time_limit_hit", False)) for s in steps]
     modeled, bound = sum(r["modeled_ms"] for r in rows), sum(r["bound_ms"] for r in rows)
     return dict(devices=devices, sequences=seqs, steps=rows,
                 median_s=statistics.median(r["seconds"] for r in rows), max_s=max(r["seconds"] for r in rows),

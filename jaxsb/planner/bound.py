@@ -31,8 +31,8 @@ s_b obeys
 
 Every real plan gives a feasible point (its placement of the long sequences, each class's
 memory shares, each micro-batch's true span), so the MILP's optimum — and CBC's best bound when
-it stops early, less CBC's cutoff increment — is a lower bound for plans of M micro-batches. Over all M: the MILP's for
-m_min <= M <= M_hi, and for M > M_hi the simple bound at M_hi + 1 (it grows with M), with M_hi
+it stops early, less CBC's cutoff increment — is a lower bound for plans of M micro-batches.
+Over all M: the MILP's for m_min <= M <= M_hi, and for M > M_hi the simple bound at M_hi + 1 (it grows with M), with M_hi
 the first count whose simple bound reaches `upper` (a known plan's time) or m_min + `counts`.
 CBC runs single-threaded with a node limit, so the same input gives the same bound unless a
 time limit (`max_seconds`, or the planner's deadline) stops it first.
@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from jaxsb.planner.linear import LinearCost, simple_lower_bound
+from jaxsb.planner.linear import LinearCost, least_per_sequence, simple_lower_bound
 
 
 CBC_MARGIN_ABS, CBC_MARGIN_REL = 1e-5, 1e-7  # what CBC's cutoff may pass an optimum by (count_bound)
@@ -77,36 +77,18 @@ class BoundOptions:
             raise ValueError(f"bound option max_seconds={self.max_seconds!r} must be > 0")
 
 
-@dataclasses.dataclass(frozen=True)
-class Bound:
-    """The bound over every micro-batch count, and per count tried (M -> (bound, CBC status))."""
-
-    value_ms: float
-    per_count: dict
-    tail_ms: float  # the simple bound for every count above those tried
-
-
-def _least(T, Mm, fits, lin: LinearCost):
-    """Per sequence: least device-time, least memory units, least time alone (its overhead in)."""
-    deg = np.asarray(lin.degrees, dtype=np.float64)
-    work = np.where(fits, T * deg[None, :], np.inf).min(axis=1)
-    units = np.where(fits, Mm * deg[None, :], np.inf).min(axis=1)
-    alone = np.where(fits, T + lin.base_time[None, :], np.inf).min(axis=1)
-    return work, units, alone
-
-
 def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost, M: int,
                 options: BoundOptions = BoundOptions(), max_seconds: float = math.inf) -> tuple[float, str]:
     """(bound on any plan of exactly M micro-batches, CBC's status); inf when none exists.
     CBC stops at options.max_seconds or `max_seconds`, whichever is first (its bound then)."""
     import mip
 
-    n, N = len(T), lin.num_devices
+    N = lin.num_devices
     deg = np.asarray(lin.degrees, dtype=np.float64)
     bt = np.asarray(lin.base_time, dtype=np.float64)
     b0 = float(bt.min())
     per_mb = float((lin.limit - lin.base_mem.min()) * N)
-    work, units, alone = _least(T, Mm, fits, lin)
+    work, units, alone = least_per_sequence(T, Mm, fits, lin)
     order = np.argsort(-alone, kind="stable")
     # placed exactly: the longest, and up to `longest` of those whose own time (beyond the
     # overhead) is at least `long_factor` times the median's (many near-equal sequences placed
@@ -114,11 +96,11 @@ def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost
     own = alone[order] - b0
     k = max(1, min(options.longest, int(np.count_nonzero(own >= options.long_factor * float(np.median(own))))))
     longs, shorts = order[:k], order[k:]
-    rho = work[shorts] / np.maximum(units[shorts], 1e-300)
-    by_rho = shorts[np.argsort(rho, kind="stable")]
+    rho = work / np.maximum(units, 1e-300)  # device-time per memory unit
+    by_rho = shorts[np.argsort(rho[shorts], kind="stable")]
     classes = [c for c in np.array_split(by_rho, min(options.classes, len(by_rho))) if len(c)] if len(by_rho) else []
     z_c = [float(units[c].sum()) for c in classes]
-    w_c = [float(units[c].sum() * (work[c] / np.maximum(units[c], 1e-300)).min()) for c in classes]
+    w_c = [z * float(rho[c].min()) for z, c in zip(z_c, classes)]
     w_free = max(0.0, float(work[shorts].sum()) - sum(w_c))
     # a micro-batch with a group of all N devices has only that group: its short sequences run
     # at degree N too (least device-time per memory unit there, per class; inf: they do not fit)
@@ -186,9 +168,10 @@ def count_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost
 
 class CountBounds:
     """Bounds per micro-batch count for one batch, each MILP solved once (memoised): `at(M)` for
-    plans of exactly M micro-batches, `overall(upper)` for any plan. `use_mip=False`: the simple bound alone (no MILP). Past `deadline` (a
-    time.perf_counter() value) no MILP starts and a running one stops: the bounds fall back to
-    the simple one, and then depend on the wall clock."""
+    plans of exactly M micro-batches, `overall(upper)` for any plan. `use_mip=False`: the simple
+    bound alone (no MILP). Past `deadline` (a time.perf_counter() value) no MILP starts and a
+    running one stops: the bounds fall back to the simple one, and then depend on the wall
+    clock."""
 
     def __init__(self, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost,
                  options: BoundOptions = BoundOptions(), use_mip: bool = True, deadline: float = math.inf):
@@ -211,18 +194,18 @@ class CountBounds:
             self.solved[M] = count_bound(self.T, self.Mm, self.fits, self.lin, M, self.options, left)
         return max(self.simple_at(M), self.solved[M][0] if M in self.solved else 0.0)
 
-    def overall(self, upper: float = math.inf) -> Bound:
+    def overall(self, upper: float = math.inf) -> float:
         """Min over counts: MILPs from m_min while the simple bound is below both `upper` and the
         best so far (at most `counts` of them), then the simple bound of the next count."""
         if self.n == 0:
-            return Bound(0.0, {}, 0.0)
+            return 0.0
         best, M = math.inf, self.m_min
         while (self.use_mip and M < self.m_min + self.options.counts and M <= self.n
                and self.simple_at(M) < min(upper, best)):
             best = min(best, self.at(M))
             M += 1
         tail = self.simple_at(M) if M <= self.n else math.inf
-        return Bound(float(max(min(best, tail), self.simple_at(self.m_min))), dict(self.solved), float(tail))
+        return float(max(min(best, tail), self.simple_at(self.m_min)))
 
     def describe(self) -> str:
         if not self.solved:
@@ -232,6 +215,6 @@ class CountBounds:
 
 
 def lower_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost, upper: float = math.inf,
-                options: BoundOptions = BoundOptions()) -> Bound:
+                options: BoundOptions = BoundOptions()) -> float:
     """A valid lower bound on any plan's time (the module docstring), never below the simple one."""
     return CountBounds(T, Mm, fits, lin, options).overall(upper)

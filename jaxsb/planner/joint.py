@@ -138,7 +138,7 @@ class JaxsbPlanner(PlannerBase):
     def lower_bound_at(self, lengths: list[int], budgets) -> float:
         """A bound on any plan with sequence i at budgets[i] or more (jaxsb.planner.bound)."""
         T, Mm = self.lin.tables(lengths, budgets)
-        return self._bounds(T, Mm, self.lin.fits(Mm)).overall().value_ms
+        return self._bounds(T, Mm, self.lin.fits(Mm)).overall()
 
     def _bounds(self, T, Mm, fits) -> CountBounds:
         return CountBounds(T, Mm, fits, self.lin, use_mip=self.bound == "mip")
@@ -202,9 +202,9 @@ class JaxsbPlanner(PlannerBase):
                                self.runnable)
         return plan, dict(
             message=(f"jaxsb: {len(specs)} micro-batches (tried {tried}); local search {moves_done} moves, "
-                     f"{before:.1f} -> {best.total():.1f} ms (additive model); bound {bound.value_ms:.1f} ms, "
+                     f"{before:.1f} -> {best.total():.1f} ms (additive model); bound {bound:.1f} ms, "
                      f"{bounds.describe()}" + ("; time limit reached, search cut short" if stopped else "")),
-            lower_bound_ms=bound.value_ms, microbatches=len(specs), predicted_ms=plan.predicted_ms,
+            lower_bound_ms=bound, microbatches=len(specs), predicted_ms=plan.predicted_ms,
             time_limit_hit=stopped)
 
     def _baseline(self, ctx: "_Context", lengths, budgets) -> _Packing | None:
@@ -538,6 +538,10 @@ class _Context:
         if best is None or M == 1:
             return best
         i0 = self.order[0]
+
+        def others_low(th):  # the least target the other micro-batches need beside one of th
+            return max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
+
         heavy = sorted({self.bt[j] + self.t[i0][j] for j in range(self.nd) if self.fit[i0][j]}
                        | {tu * f for f in self.grid})
         for th in heavy:
@@ -545,7 +549,7 @@ class _Context:
                 return best
             if th <= tu * 1.0001:
                 continue
-            x_lo = max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
+            x_lo = others_low(th)
             if x_lo >= tu or th + (M - 1) * x_lo >= best.total():
                 continue  # cannot beat the best packing
             best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, tu, steps, best)
@@ -554,7 +558,7 @@ class _Context:
         j = next((j for j in range(self.nd) if self.fit[i0][j] and self.bt[j] + self.t[i0][j] < tu), None)
         if j is not None and not self.expired():
             th = self.bt[j] + self.t[i0][j]
-            x_lo = max(b0, b0 + (self.work / self.N - (th - b0)) / (M - 1))
+            x_lo = others_low(th)
             if th + (M - 1) * x_lo < best.total():
                 best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, max(x_lo, tu) * 1.1, steps, best,
                                        pin=(i0, j, 0))

@@ -148,6 +148,16 @@ def finish_plan(cost, num_devices, mbs_specs, lengths, budgets, align, name, run
     return dataclasses.replace(plan, predicted_ms=float(cost.plan_time_ms(plan)))
 
 
+def least_per_sequence(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost):
+    """Per sequence, over the degrees it fits: least device-time (time x degree), least memory
+    units (memory per device x degree) and least time alone in a group (its overhead in)."""
+    deg = np.asarray(lin.degrees, dtype=np.float64)
+    work = np.where(fits, T * deg[None, :], np.inf).min(axis=1)
+    units = np.where(fits, Mm * deg[None, :], np.inf).min(axis=1)
+    alone = np.where(fits, T + lin.base_time[None, :], np.inf).min(axis=1)
+    return work, units, alone
+
+
 def simple_lower_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: LinearCost, lengths,
                        parts: bool = False):
     """A valid lower bound on any plan's time (under the additive model): with M micro-batches,
@@ -157,11 +167,10 @@ def simple_lower_bound(T: np.ndarray, Mm: np.ndarray, fits: np.ndarray, lin: Lin
     n_dev = lin.num_devices
     if len(T) == 0:
         return 0.0
-    deg = np.asarray(lin.degrees, dtype=np.float64)
-    big = np.where(fits, T, np.inf)
-    work = np.where(fits, T * deg[None, :], np.inf).min(axis=1).sum()
-    longest = big.min(axis=1).max()
-    mem_units = np.where(fits, Mm * deg[None, :], np.inf).min(axis=1).sum()
+    least_work, least_units, _ = least_per_sequence(T, Mm, fits, lin)
+    work = least_work.sum()
+    longest = np.where(fits, T, np.inf).min(axis=1).max()
+    mem_units = least_units.sum()
     per_mb = float((lin.limit - lin.base_mem.min()) * n_dev)  # memory units one micro-batch holds
     m_min = max(1, int(math.ceil(mem_units / per_mb - 1e-9))) if per_mb > 0 else 1
     overhead = float(lin.base_time.min())

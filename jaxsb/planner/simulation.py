@@ -294,6 +294,8 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print, cover
                        microbatches=describe_plan(cost, plan))
             if info.lower_bound_ms is not None:
                 rec["lower_bound_ms"] = float(info.lower_bound_ms)
+            if "time_limit_hit" in info.details:  # the planner's time limit cut its search
+                rec["time_limit_hit"] = bool(info.details["time_limit_hit"])
             if pipeline:
                 rec["imbalance"] = imbalance([[t for t in row if t > 0] for row in cost.group_times_ms(plan)])
             if getattr(planner, "uses_coverage", False):

@@ -92,7 +92,7 @@ def test_bound_never_exceeds_the_optimum(num_devices, seed, degrees):
         opt = optimum(T, Mm, fits, lin)
         options = BoundOptions(longest=int(rng.integers(1, 5)), classes=int(rng.integers(1, 4)),
                                long_factor=float(rng.choice([0.0, 4.0])))
-        bound = lower_bound(T, Mm, fits, lin, options=options).value_ms
+        bound = lower_bound(T, Mm, fits, lin, options=options)
         simple = simple_lower_bound(T, Mm, fits, lin, None)
         assert bound <= opt * (1 + RTOL) + ATOL, (T, Mm, lin, options, bound, opt)
         bounds = CountBounds(T, Mm, fits, lin, options)  # each count's MILP: never weaker than the closed form
@@ -114,13 +114,13 @@ def test_bound_is_exact_when_every_sequence_needs_all_devices():
     fits = lin.base_mem[None, :] + Mm <= lin.limit
     assert fits[:, 2].all() and not fits[:, :2].any()
     opt = optimum(T, Mm, fits, lin)  # memory: two micro-batches of one group of 4
-    bound = lower_bound(T, Mm, fits, lin, options=BoundOptions(longest=4, long_factor=0.0)).value_ms
+    bound = lower_bound(T, Mm, fits, lin, options=BoundOptions(longest=4, long_factor=0.0))
     assert bound == pytest.approx(opt, rel=RTOL, abs=ATOL), (bound, opt)
     # two of them fluid: still valid, and still above the simple bound
-    fluid = lower_bound(T, Mm, fits, lin, options=BoundOptions(longest=2, classes=2, long_factor=0.0)).value_ms
+    fluid = lower_bound(T, Mm, fits, lin, options=BoundOptions(longest=2, classes=2, long_factor=0.0))
     assert simple_lower_bound(T, Mm, fits, lin, None) < fluid <= opt * (1 + RTOL) + ATOL, (fluid, opt)
     # and a single sequence: its best degree alone
-    one = lower_bound(T[:1], Mm[:1], fits[:1], lin).value_ms
+    one = lower_bound(T[:1], Mm[:1], fits[:1], lin)
     assert one == pytest.approx(optimum(T[:1], Mm[:1], fits[:1], lin), rel=RTOL, abs=ATOL)
 
 
@@ -131,7 +131,7 @@ def test_count_bound_is_infeasible_when_memory_needs_more_microbatches():
     fits = Mm <= lin.limit
     assert count_bound(T, Mm, fits, lin, 1)[0] == math.inf  # 3 x 8 units > 2 x 10
     assert math.isfinite(count_bound(T, Mm, fits, lin, 2)[0])
-    assert lower_bound(T, Mm, fits, lin).value_ms <= optimum(T, Mm, fits, lin) * (1 + RTOL) + ATOL
+    assert lower_bound(T, Mm, fits, lin) <= optimum(T, Mm, fits, lin) * (1 + RTOL) + ATOL
 
 
 def test_bound_options_are_checked():
@@ -170,8 +170,8 @@ def test_count_bounds_memoise_and_stop_at_the_upper_bound():
     first = bounds.at(bounds.m_min)
     assert bounds.at(bounds.m_min) == first and list(bounds.solved) == [bounds.m_min]
     low = bounds.overall(upper=bounds.simple_at(bounds.m_min))  # nothing can beat that count's simple bound
-    assert low.value_ms == pytest.approx(bounds.simple_at(bounds.m_min))
-    assert CountBounds(T, Mm, fits, lin, use_mip=False).overall().value_ms == pytest.approx(
+    assert low == pytest.approx(bounds.simple_at(bounds.m_min))
+    assert CountBounds(T, Mm, fits, lin, use_mip=False).overall() == pytest.approx(
         simple_lower_bound(T, Mm, fits, lin, None))
 
 
@@ -187,6 +187,6 @@ def test_tighter_than_the_simple_bound_on_flexsps_benchmark():
     T, Mm = lin.tables(batches[1])
     fits = lin.fits(Mm)
     simple = simple_lower_bound(T, Mm, fits, lin, None)
-    bound = lower_bound(T, Mm, fits, lin).value_ms
+    bound = lower_bound(T, Mm, fits, lin)
     plan_ms = JaxsbPlanner(cost, 64).solve(batches[1]).plan.predicted_ms
     assert simple * 1.05 < bound <= plan_ms, (simple, bound, plan_ms)
