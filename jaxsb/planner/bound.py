@@ -56,9 +56,9 @@ CBC_MARGIN_ABS, CBC_MARGIN_REL = 1e-5, 1e-7  # what CBC's cutoff may pass an opt
 class BoundOptions:
     """`longest`: sequences placed exactly at most (K), those whose own time is at least
     `long_factor` times the median sequence's (the longest always); `classes`: fluid classes
-    of the others;
-    `counts`: micro-batch counts given a MILP at most; `max_nodes` / `max_seconds`: CBC's limits
-    per count (seconds a safety net only: the node limit keeps the bound deterministic)."""
+    of the others; `counts`: micro-batch counts given a MILP at most; `max_nodes` /
+    `max_seconds`: CBC's limits per count (seconds a safety net only: the node limit keeps the
+    bound deterministic)."""
 
     longest: int = 12
     long_factor: float = 4.0
