@@ -177,6 +177,7 @@ def plan_to_json(plan) -> dict:
         "placements": [[p.microbatch, p.group, p.rank] for p in plan.placements],
         "budgets": None if plan.budgets is None else list(plan.budgets),
         "planner": plan.planner, "predicted_ms": _finite_or_nan(plan.predicted_ms),
+        **({} if plan.parts is None else {"parts": [[p.document, p.start] for p in plan.parts]}),
     }
 
 
@@ -200,8 +201,11 @@ def plan_to_wire(plan) -> dict:
     """A Plan for the other processes, its columns packed (pack_ints): per micro-batch the
     groups' starts, degrees and schemes (as indices into jaxsb.plan.SCHEMES); per sequence its
     length, budget and placement (microbatch, group and rank columns one after another)."""
-    from jaxsb.plan import SCHEMES
+    from jaxsb.plan import SCHEMES, PlanError
 
+    if plan.parts is not None:
+        raise PlanError("a plan with split documents (parts: the pipeline simulator's Seq1F1B layouts) has no "
+                        "wire form: the executor runs whole documents only")
     cols = [p.microbatch for p in plan.placements] + [p.group for p in plan.placements] + \
         [p.rank for p in plan.placements]
     mbs = [{"shard_len": mb.shard_len, "local_len": mb.local_len,

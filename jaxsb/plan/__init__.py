@@ -6,12 +6,12 @@
 * `executable.py`: what the executor can run (`Runnable`), told to planners before they plan.
 """
 
-from jaxsb.plan.plan import (BUFFER_BUCKETS, SCHEMES, SHARDED, Group, GroupSpec, MicroBatch, Placement, Plan,
-                             PlanError, Template, bucket, build_plan, local_needed, padded_length,
+from jaxsb.plan.plan import (BUFFER_BUCKETS, SCHEMES, SHARDED, Group, GroupSpec, MicroBatch, Part, Placement,
+                             Plan, PlanError, Template, bucket, build_plan, local_needed, padded_length,
                              ring_shard_len, shard_needed, validate)
 from jaxsb.plan.executable import Runnable, alignment, check_executable, executable_problem, ulysses_runs
 
-__all__ = ["BUFFER_BUCKETS", "SCHEMES", "SHARDED", "Group", "GroupSpec", "MicroBatch", "Placement", "Plan",
+__all__ = ["BUFFER_BUCKETS", "SCHEMES", "SHARDED", "Group", "GroupSpec", "MicroBatch", "Part", "Placement", "Plan",
            "PlanError", "Runnable", "Template", "alignment", "bucket", "build_plan", "check_executable",
            "executable_problem", "local_needed", "padded_length", "ring_shard_len", "shard_needed", "ulysses_runs",
            "validate"]

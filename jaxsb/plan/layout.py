@@ -29,7 +29,7 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsb.plan.plan import MicroBatch, Plan, padded_length
+from jaxsb.plan.plan import MicroBatch, Plan, PlanError, padded_length
 
 FIELDS = ("tokens", "targets", "loss_mask", "segment_ids", "positions", "budgets")
 
@@ -90,6 +90,9 @@ def zigzag_layout(num_tokens: int, degree: int) -> np.ndarray:
 def layout_microbatch(plan: Plan, m: int, seqs: Sequence[SeqData], align: int = 1,
                       default_budget: int = 0) -> dict[str, np.ndarray]:
     """Per-device buffers of micro-batch m: {field: [num_devices, tokens_per_device]}."""
+    if plan.parts is not None:
+        raise PlanError("the executor lays out whole documents only; this plan splits documents into parts "
+                        "(the pipeline simulator's Seq1F1B layouts)")
     mb: MicroBatch = plan.template.microbatches[m]
     N, S, L = plan.template.num_devices, mb.shard_len, mb.local_len
     budgets = plan.budgets if plan.budgets is not None else [default_budget] * len(plan.lengths)

@@ -10,6 +10,13 @@ A plan has two parts:
   whether it is sharded over the group or kept whole on one of its ranks) and each
   sequence's sparse-attention budget. Data changes every step without recompiling.
 
+A plan's sequences are the batch's documents, in order — unless the plan has `parts`: then
+sequence i is the token range [start, start + lengths[i]) of document `parts[i].document`
+(Seq1F1B-style splitting of a long document over consecutive micro-batches, which only the
+pipeline setting of the simulator plans: the executor refuses such plans). The parts of a
+document tile it in order from token 0, sit in the same degree-1 group of consecutive
+micro-batches, and each later part attends to the keys and values of the earlier ones.
+
 Schemes: ``local`` (degree 1, no communication), ``ulysses`` (all-to-all sequence <-> heads)
 and ``ring`` (key/value blocks passed around the group). Rules, checked by `validate`:
 
@@ -122,8 +129,17 @@ class Placement:
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """Which document a sequence of a split plan is a part of, and its first token there."""
+
+    document: int
+    start: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Plan:
-    """Template + data. `lengths[i]`, `placements[i]`, `budgets[i]` describe sequence i."""
+    """Template + data. `lengths[i]`, `placements[i]`, `budgets[i]` (and `parts[i]`) describe
+    sequence i."""
 
     template: Template
     lengths: tuple[int, ...]
@@ -131,6 +147,33 @@ class Plan:
     budgets: tuple[int, ...] | None = None  # sparse budget (key blocks) per sequence
     planner: str = ""
     predicted_ms: float = float("nan")  # the cost model's step time, if the planner has one
+    parts: tuple[Part, ...] | None = None  # None: sequence i is document i, whole
+
+    def document_of(self, i: int) -> int:
+        return i if self.parts is None else self.parts[i].document
+
+    def span_of(self, i: int) -> tuple[int, int]:
+        """(first token of sequence i in its document, the document's length)."""
+        if self.parts is None:
+            return 0, self.lengths[i]
+        return self.parts[i].start, self.document_lengths()[self.parts[i].document]
+
+    def document_lengths(self) -> tuple[int, ...]:
+        """Per document of the batch its length (the plan's lengths when nothing is split)."""
+        if self.parts is None:
+            return self.lengths
+        return self._documents[0]
+
+    @functools.cached_property
+    def _documents(self) -> tuple[tuple[int, ...], dict[int, list[int]]]:
+        """(document lengths, {document: its sequence ids in token order})."""
+        parts: dict[int, list[int]] = {}
+        for i, p in enumerate(self.parts or ()):
+            parts.setdefault(p.document, []).append(i)
+        for ids in parts.values():
+            ids.sort(key=lambda i: self.parts[i].start)
+        n_docs = max(parts, default=-1) + 1
+        return tuple(sum(self.lengths[i] for i in parts.get(d, ())) for d in range(n_docs)), parts
 
     def sequences_of(self, microbatch: int, group: int) -> tuple[list[int], dict[int, list[int]]]:
         """(sharded sequence ids, {rank: whole sequence ids}) of one group, in input order."""
@@ -215,8 +258,8 @@ class GroupSpec:
 def build_plan(num_devices: int, microbatches: Sequence[Sequence[GroupSpec]], lengths: Sequence[int], *,
                budgets: Sequence[int] | None = None, align: int = 1,
                buckets: Sequence[int] = BUFFER_BUCKETS, planner: str = "",
-               predicted_ms: float = float("nan")) -> Plan:
-    """Turns per-micro-batch group lists into a validated Plan.
+               predicted_ms: float = float("nan"), parts: Sequence[Part] | None = None) -> Plan:
+    """Turns per-micro-batch group lists into a validated Plan (`parts`: see the module docstring).
 
     Groups are placed on consecutive devices in the given order; devices left over at the end
     of a micro-batch get empty degree-1 groups. Buffer sizes are the largest need of any group
@@ -253,7 +296,8 @@ def build_plan(num_devices: int, microbatches: Sequence[Sequence[GroupSpec]], le
                         f"nowhere{' (and more)' if len(missing) > 10 else ''}")
     plan = Plan(Template(num_devices, tuple(mbs)), lengths,
                 tuple(placements[i] for i in range(len(lengths))),
-                None if budgets is None else tuple(int(b) for b in budgets), planner, predicted_ms)
+                None if budgets is None else tuple(int(b) for b in budgets), planner, predicted_ms,
+                None if parts is None else tuple(parts))
     validate(plan, align)
     return plan
 
@@ -318,4 +362,35 @@ def validate(plan: Plan, align: int = 1) -> Plan:
             raise PlanError(f"sequence {i}: group {p.group} does not exist in micro-batch {p.microbatch}")
         if p.rank != SHARDED and t.microbatches[p.microbatch].groups[p.group].degree == 1:
             raise PlanError(f"sequence {i}: degree-1 groups hold sequences as SHARDED (whole), got rank {p.rank}")
+    if plan.parts is not None:
+        _validate_parts(plan)
     return plan
+
+
+def _validate_parts(plan: Plan) -> None:
+    """A split plan's rules (module docstring): every document 0..D-1 tiled in order from token
+    0 by parts in one degree-1 group of consecutive micro-batches."""
+    if len(plan.parts) != len(plan.lengths):
+        raise PlanError(f"{len(plan.lengths)} sequences but {len(plan.parts)} parts")
+    doc_lengths, parts = plan._documents
+    for d in range(len(doc_lengths)):
+        ids = parts.get(d, [])
+        if not ids:
+            raise PlanError(f"document {d} has no part (the plan's parts name documents up to {len(doc_lengths) - 1})")
+        at = 0
+        for j, i in enumerate(ids):
+            part, place = plan.parts[i], plan.placements[i]
+            if part.start != at:
+                raise PlanError(f"document {d}: part {j} (sequence {i}) starts at token {part.start}, expected {at}: "
+                                "parts must tile their document in order")
+            at += plan.lengths[i]
+            if plan.template.microbatches[place.microbatch].groups[place.group].degree != 1:
+                raise PlanError(f"document {d}: part {j} (sequence {i}) is in a group of degree "
+                                f"{plan.template.microbatches[place.microbatch].groups[place.group].degree}; "
+                                "split documents run whole on one rank per part (degree-1 groups)")
+            if j:
+                prev = plan.placements[ids[j - 1]]
+                if (place.group, place.microbatch) != (prev.group, prev.microbatch + 1):
+                    raise PlanError(f"document {d}: part {j} (sequence {i}) is in micro-batch {place.microbatch} "
+                                    f"group {place.group}, expected micro-batch {prev.microbatch + 1} group "
+                                    f"{prev.group}: a document's parts follow each other on one rank")

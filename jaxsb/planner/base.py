@@ -94,7 +94,8 @@ class PlannerBase:
         else:
             plan, fields = self._solve(lengths, budgets)
         if self.runnable is not None:
-            problem = self.runnable.problem(plan.template)
+            problem = self.runnable.problem(plan.template) or (
+                "it splits documents into parts, and the executor runs whole documents" if plan.parts else None)
             if problem is not None:
                 raise PlanError(f"{self.name}: planned {plan.template.summary()!r}, which the executor cannot "
                                 f"run: {problem}")

@@ -105,7 +105,11 @@ def group_times_ms(cost: CostModel, plan) -> list[list[float]]:
         row = []
         for g, group in enumerate(mb.groups):
             degree, sharded, local, budgets = _group_inputs(plan, m, g)
-            row.append(cost.group_time_ms(degree, sharded, local, scheme=group.scheme, budgets=budgets))
+            spans = {}
+            if plan.parts is not None:  # split documents: only the pipeline setting's cost model takes them
+                ids, by_rank = plan.sequences_of(m, g)
+                spans = {"spans": [plan.span_of(i) for i in ids + [i for r in range(degree) for i in by_rank.get(r, [])]]}
+            row.append(cost.group_time_ms(degree, sharded, local, scheme=group.scheme, budgets=budgets, **spans))
         out.append(row)
     return out
 

@@ -30,13 +30,14 @@ k_min(p) (jaxsb.planner.coverage):
   does not grow and the cell does not become slower than the set's slowest cell — idle time
   only, past the anchor when a straggler could not reach it; `raise_to="none"` keeps k_base.
 
-Budgets stay within [1, max_blocks]. `coverage_report` gives per sequence its base budget,
+Budgets stay within [1, max_blocks]. `coverage_report` gives per document its base budget,
 budget and coverage drop.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import heapq
 from typing import Sequence
 
@@ -57,10 +58,23 @@ class Cell:
     scheme: str
     sharded: tuple[int, ...]
     local: tuple[tuple[int, ...], ...]  # per rank, whole sequences (Skrull's mix); () otherwise
+    spans: tuple[tuple[int, int], ...] | None = None  # split plans: per sequence (start, document length)
 
     @property
     def sequences(self) -> tuple[int, ...]:
         return self.sharded + tuple(i for ids in self.local for i in ids)
+
+    def span_args(self, ids: Sequence[int] | None = None) -> dict:
+        """The cost model's `spans` for these of the cell's sequences (all by default), when split."""
+        if self.spans is None:
+            return {}
+        if ids is None:
+            return {"spans": list(self.spans)}
+        return {"spans": [self._span_of[i] for i in ids]}
+
+    @functools.cached_property
+    def _span_of(self) -> dict[int, tuple[int, int]]:
+        return dict(zip(self.sequences, self.spans))
 
 
 def plan_cells(plan) -> list[Cell]:
@@ -69,14 +83,17 @@ def plan_cells(plan) -> list[Cell]:
         for g, group in enumerate(mb.groups):
             sharded, local = plan.sequences_of(m, g)
             loc = tuple(tuple(local.get(r, ())) for r in range(group.degree)) if local else ()
-            out.append(Cell(m, g, group.degree, group.scheme, tuple(sharded), loc))
+            ids = tuple(sharded) + tuple(i for r in loc for i in r)
+            spans = None if plan.parts is None else tuple(plan.span_of(i) for i in ids)
+            out.append(Cell(m, g, group.degree, group.scheme, tuple(sharded), loc, spans))
     return out
 
 
 def predict(cost, lengths: Sequence[int], cell: Cell, budgets: Sequence[int] | None) -> float:
     ks = None if budgets is None else [int(budgets[i]) for i in cell.sequences]
     return cost.group_time_ms(cell.degree, [lengths[i] for i in cell.sharded],
-                              [[lengths[i] for i in ids] for ids in cell.local], scheme=cell.scheme, budgets=ks)
+                              [[lengths[i] for i in ids] for ids in cell.local], scheme=cell.scheme, budgets=ks,
+                              **cell.span_args())
 
 
 def combine_ms(cost, times: Sequence[Sequence[float]]) -> float:
@@ -126,6 +143,7 @@ def _step_ms(cost, lengths, cell: Cell, i: int, k: int) -> float:
         args = dict(sharded_lengths=[n], local_lengths=())
     else:
         args = dict(sharded_lengths=[], local_lengths=[[n]] + [[] for _ in range(cell.degree - 1)])
+    args.update(cell.span_args([i]))
     a = cost.group_time_ms(cell.degree, scheme=cell.scheme, budgets=[k], **args)
     b = cost.group_time_ms(cell.degree, scheme=cell.scheme, budgets=[k + 1], **args)
     return max(b - a, 0.0)
@@ -237,25 +255,51 @@ def tune(cost, plan, curves, *, base: int, p: float = 0.1, anchor: str = "mean",
                     budgets[i] = new[i]
             else:
                 others.append((j, T))
-    if raise_to != "none":
+    others.sort(key=lambda jt: base_times[jt[0]])  # the most idle first
+    if raise_to == "anchor":
         stop = [max_blocks] * len(lengths)
-        times = group_times_ms(cost, plan.with_budgets(budgets))
-        for j, T in sorted(others, key=lambda jt: base_times[jt[0]]):  # the most idle first
-            c = cells[j]
-            before = list(budgets)
-            if raise_to == "anchor":
-                if per_document:
-                    new = align_documents(cost, lengths, c, curves, budgets, stop, T)
-                else:
-                    new = _with(budgets, c.sequences, align_uniform(cost, lengths, c, budgets, T, base, max_blocks))
+        for j, T in others:
+            c, before = cells[j], list(budgets)
+            if per_document:
+                new = align_documents(cost, lengths, c, curves, budgets, stop, T)
             else:
-                slowest = max(times[cells[i].microbatch][cells[i].group] for i in members_of[j])
-                new = _free_raise(cost, plan, cells, j, curves, budgets, stop, slowest, times, per_document)
+                new = _with(budgets, c.sequences, align_uniform(cost, lengths, c, budgets, T, base, max_blocks))
             for i in c.sequences:
                 budgets[i] = new[i]
             raised += budgets != before
-            times[c.microbatch][c.group] = predict(cost, lengths, c, budgets)
+    elif raise_to == "free":
+        budgets, raised = _raise_into_idle(cost, plan, cells, [j for j, _ in others], members_of, curves, budgets,
+                                           max_blocks, per_document)
     return TuneResult(tuple(budgets), tuple(anchors), cut, raised, at_floor)
+
+
+def raise_into_idle(cost, plan, curves, *, max_blocks: int, per_document: bool = True) -> TuneResult:
+    """From the plan's own budgets, no cut: every cell, the lightest first, raised into idle time
+    only (`raise_to="free"` of `tune`). For a layout whose budgets another pass already chose."""
+    cells = plan_cells(plan)
+    members_of = {j: members for members in waiting_sets(cost, cells) for j in members}
+    times = group_times_ms(cost, plan)
+    order = sorted((j for j, c in enumerate(cells) if c.sequences), key=lambda j: times[cells[j].microbatch][cells[j].group])
+    budgets, raised = _raise_into_idle(cost, plan, cells, order, members_of, curves, list(plan.budgets), max_blocks,
+                                       per_document)
+    return TuneResult(tuple(budgets), (), 0, raised, 0)
+
+
+def _raise_into_idle(cost, plan, cells, order, members_of, curves, budgets, max_blocks, per_document):
+    """Raise the cells in `order` one after another, each as far as the step does not grow and
+    it does not pass the slowest cell it waits with; (budgets, cells raised)."""
+    stop = [max_blocks] * len(budgets)
+    times = group_times_ms(cost, plan.with_budgets(budgets))
+    raised = 0
+    for j in order:
+        c, before = cells[j], list(budgets)
+        slowest = max(times[cells[i].microbatch][cells[i].group] for i in members_of[j])
+        new = _free_raise(cost, plan, cells, j, curves, budgets, stop, slowest, times, per_document)
+        for i in c.sequences:
+            budgets[i] = new[i]
+        raised += budgets != before
+        times[c.microbatch][c.group] = predict(cost, plan.lengths, c, budgets)
+    return budgets, raised
 
 
 def _floor_start(budgets, cell: Cell, floor) -> list[int]:
@@ -302,11 +346,29 @@ def _apply(budgets, steps) -> list[int]:
     return out
 
 
-def coverage_report(curves, base: int, budgets: Sequence[int]) -> tuple[list[float], dict]:
-    """Per sequence C(base) - C(budget), and their summary (min / mean / max budget, mean and
-    min coverage, the largest drop)."""
-    drops = [coverage_drop(c, base, k) for c, k in zip(curves, budgets)]
-    cov = [coverage_at(c, k) for c, k in zip(curves, budgets)]
-    summary = dict(budget_min=int(min(budgets)), budget_mean=float(np.mean(budgets)), budget_max=int(max(budgets)),
-                   coverage_mean=float(np.mean(cov)), coverage_min=float(np.min(cov)), max_drop=float(max(drops)))
-    return drops, summary
+def coverage_report(plan, curves, base: int) -> tuple[list[dict], dict]:
+    """Per document (`curves`: one per document) its length, base budget, budget and coverage
+    drop C(base) - C(budget), and their summary (min / mean / max budget, mean and min coverage,
+    the largest drop). A split document's parts each keep the document's curve: its record
+    gives the parts' budgets weighted by their tokens, its largest part drop, and `parts`
+    (start, length, budget, drop each)."""
+    parts: dict[int, list[int]] = {}
+    for i in range(len(plan.lengths)):
+        parts.setdefault(plan.document_of(i), []).append(i)
+    records, ks, cov = [], [], []
+    for d, n in enumerate(plan.document_lengths()):
+        ids = sorted(parts[d], key=lambda i: plan.span_of(i)[0])
+        drops = [coverage_drop(curves[d], base, plan.budgets[i]) for i in ids]
+        k = sum(plan.budgets[i] * plan.lengths[i] for i in ids) / n
+        ks.append(k)
+        cov.append(sum(coverage_at(curves[d], plan.budgets[i]) * plan.lengths[i] for i in ids) / n)
+        rec = dict(length=n, base_budget=base, budget=plan.budgets[ids[0]] if len(ids) == 1 else round(k, 3),
+                   coverage_drop=round(max(drops), 6))
+        if len(ids) > 1:
+            rec["parts"] = [dict(start=plan.span_of(i)[0], length=plan.lengths[i], budget=plan.budgets[i],
+                                  coverage_drop=round(x, 6)) for i, x in zip(ids, drops)]
+        records.append(rec)
+    summary = dict(budget_min=int(min(plan.budgets)), budget_mean=float(np.mean(ks)), budget_max=int(max(plan.budgets)),
+                   coverage_mean=float(np.mean(cov)), coverage_min=float(np.min(cov)),
+                   max_drop=max(coverage_drop(curves[plan.document_of(i)], base, k) for i, k in enumerate(plan.budgets)))
+    return records, summary

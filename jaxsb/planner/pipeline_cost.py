@@ -29,6 +29,14 @@ plan's peak takes the heaviest window): 16 B per parameter of the stage (bf16 we
 and master weights, no distributed optimizer) + 34 * hidden bytes per token per layer
 (selective recompute with sequence parallelism, Korthikanti et al. 2022) / tp.
 
+Split documents (Seq1F1B, Sun et al., NAACL 2025, arXiv 2406.03488): a plan may cut a long
+document at block boundaries into parts on consecutive micro-batches of one rank; each later
+part attends to the earlier parts' keys and values, and its backward runs before theirs.
+A part costs its tokens' share of the per-token terms plus the block pairs of its own query
+blocks (`part_ms`), so a document's parts add up to the document; the 1F1B formula above
+takes the parts' micro-batches like any others (Seq1F1B's schedule keeps 1F1B's bubble: our
+reading of its paper, which reports fewer bubbles, not more).
+
 Hardware: H200 SXM data sheet — 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s
 (450 GB/s each way), 141 GB. Assumed efficiencies: 0.60 of peak for the linear layers, 0.40
 for (block-sparse or dense) attention. Architectures: Qwen2.5-0.5B and -3B as published
@@ -52,7 +60,11 @@ QWEN25 = {
 
 def block_pairs(length: int, budget: int | None, block: int) -> int:
     """Key blocks computed over all query blocks of one causal sequence: sum_i min(i + 1, k)."""
-    nb = -(-int(length) // block)
+    return block_pairs_until(-(-int(length) // block), budget)
+
+
+def block_pairs_until(nb: int, budget: int | None) -> int:
+    """sum_{i < nb} min(i + 1, k): the key blocks of a document's first nb query blocks (k None: dense)."""
     if budget is None or budget >= nb:
         return nb * (nb + 1) // 2
     k = max(1, int(budget))
@@ -110,25 +122,51 @@ class PipelineCost:
     @functools.lru_cache(maxsize=1 << 16)
     def layer_ms(self, length: int, budget: int | None) -> float:
         """Forward + backward of one layer for one sequence (ms), the docstring's formula."""
-        s = float(length)
+        return self._per_token_ms(length, budget) * length + self._per_pair_ms * block_pairs(length, budget, self.block)
+
+    @functools.lru_cache(maxsize=1 << 16)
+    def _per_token_ms(self, doc_length: int, budget: int | None) -> float:
+        """One layer's terms that grow with the tokens (linear, MoBA's gate over the document's
+        blocks, element-wise traffic, TP collectives), per token of a document."""
         flops = self.tp * self.peak_tflops * 1e12 / 1e3  # per ms, whole TP group
-        linear = 6 * self.layer_params * s / (flops * self.eff_linear)
-        attn_unit = 4 * self.heads * self.head_dim
-        attn = 3.5 * block_pairs(length, budget, self.block) * self.block**2 * attn_unit / (flops * self.eff_attn)
-        nb = -(-int(length) // self.block)
-        gate = 0.0 if budget is None else 2 * s * nb * self.heads * self.head_dim / (flops * self.eff_attn)
-        elementwise = 40 * s * self.hidden * 2 / (self.tp * self.hbm_tbs * 1e12 / 1e3)
-        tp_comm = 8 * s * self.hidden * 2 * (self.tp - 1) / self.tp / (self.nvlink_gbs * 1e9 / 1e3)
-        return linear + attn + gate + elementwise + tp_comm
+        linear = 6 * self.layer_params / (flops * self.eff_linear)
+        nb = -(-int(doc_length) // self.block)
+        gate = 0.0 if budget is None else 2 * nb * self.heads * self.head_dim / (flops * self.eff_attn)
+        elementwise = 40 * self.hidden * 2 / (self.tp * self.hbm_tbs * 1e12 / 1e3)
+        tp_comm = 8 * self.hidden * 2 * (self.tp - 1) / self.tp / (self.nvlink_gbs * 1e9 / 1e3)
+        return linear + gate + elementwise + tp_comm
+
+    @functools.cached_property
+    def _per_pair_ms(self) -> float:
+        """One layer's attention time per (query block, key block) pair computed."""
+        flops = self.tp * self.peak_tflops * 1e12 / 1e3
+        return 3.5 * self.block**2 * 4 * self.heads * self.head_dim / (flops * self.eff_attn)
 
     def sequence_ms(self, length: int, budget: int | None) -> float:
         """One sequence on one pipeline stage (its layers), without the send."""
         return self.layers // self.pp * self.layer_ms(int(length), None if budget is None else int(budget))
 
+    @functools.lru_cache(maxsize=1 << 18)
+    def part_ms(self, doc_length: int, start: int, length: int, budget: int | None) -> float:
+        """Tokens [start, start + length) of a document of `doc_length` tokens on one stage
+        (Seq1F1B's split, the module docstring): the per-token terms for its tokens, attention for
+        its query blocks (they see the earlier parts' keys). A document's parts add up to its
+        `sequence_ms`. `start` must be a multiple of the block, so no query block is shared."""
+        if start % self.block or not 0 <= start < start + length <= doc_length:
+            raise ValueError(f"cost model {self.name}: part [{start}, {start + length}) of a {doc_length}-token "
+                             f"document must start on a {self.block}-token block and lie inside it")
+        k = None if budget is None else int(budget)
+        first, stop = start // self.block, -(-(start + length) // self.block)
+        pairs = block_pairs_until(stop, k) - block_pairs_until(first, k)
+        per_layer = self._per_token_ms(doc_length, k) * length + self._per_pair_ms * pairs
+        return self.layers // self.pp * per_layer
+
     # ----------------------------------------------------------------------- the protocol
     def group_time_ms(self, degree: int, sharded_lengths: Sequence[int], local_lengths: Sequence[Sequence[int]] = (),
-                      scheme: str = "ulysses", budgets: Sequence[int] | None = None) -> float:
-        """Stage time of one rank's micro-batch (ms); budgets None = dense."""
+                      scheme: str = "ulysses", budgets: Sequence[int] | None = None,
+                      spans: Sequence[tuple[int, int]] | None = None) -> float:
+        """Stage time of one rank's micro-batch (ms); budgets None = dense; `spans` (split plans):
+        per sequence (its first token in its document, the document's length)."""
         if degree != 1:
             raise ValueError(f"cost model {self.name}: no context parallelism in this setting (group degree {degree})")
         lengths = list(sharded_lengths) + [n for ids in local_lengths for n in ids]
@@ -136,7 +174,9 @@ class PipelineCost:
             return 0.0
         ks = [None] * len(lengths) if budgets is None else list(budgets)
         send = 2 * sum(lengths) * self.hidden * 2 / (self.nvlink_gbs * 1e9 / 1e3) if self.pp > 1 else 0.0
-        return sum(self.sequence_ms(n, k) for n, k in zip(lengths, ks)) + send
+        if spans is None:
+            return sum(self.sequence_ms(n, k) for n, k in zip(lengths, ks)) + send
+        return sum(self.part_ms(doc, start, n, k) for n, k, (start, doc) in zip(lengths, ks, spans)) + send
 
     def stage_states_mb(self) -> float:
         return 16 * self.layer_params * (self.layers // self.pp) / self.tp / 2**20
@@ -168,7 +208,8 @@ class PipelineCost:
                 sharded, local = plan.sequences_of(m, g)
                 ids = list(sharded) + [i for r in sorted(local) for i in local[r]]
                 ks = None if plan.budgets is None else [plan.budgets[i] for i in ids]
-                row.append(self.group_time_ms(group.degree, [plan.lengths[i] for i in ids], budgets=ks))
+                spans = None if plan.parts is None else [plan.span_of(i) for i in ids]
+                row.append(self.group_time_ms(group.degree, [plan.lengths[i] for i in ids], budgets=ks, spans=spans))
             out.append(row)
         return out
 
@@ -177,17 +218,21 @@ class PipelineCost:
 
     def plan_memory_mb(self, plan) -> float:
         """Stage 0's peak per GPU: its states and the activations of the pp micro-batches in
-        flight at once under 1F1B (the heaviest window of pp consecutive micro-batches)."""
+        flight at once under 1F1B (the heaviest window of pp consecutive micro-batches). A split
+        document counts whole in every window that holds one of its parts: Seq1F1B keeps its
+        earlier parts' activations (and keys and values) until its later parts' backward."""
         n_mb = len(plan.template.microbatches)
         act = 34 * self.hidden * (self.layers // self.pp) / self.tp / 2**20
+        docs = plan.document_lengths()
         peak = 0.0
         for g in range(len(plan.template.microbatches[0].groups) if n_mb else 0):
-            tokens = []
+            held = []  # per micro-batch: the documents it holds
             for m in range(n_mb):
                 sharded, local = plan.sequences_of(m, g)
-                tokens.append(sum(plan.lengths[i] for i in list(sharded) + [i for r in local.values() for i in r]))
+                held.append({plan.document_of(i) for i in list(sharded) + [i for r in local.values() for i in r]})
             w = min(self.pp, n_mb)
-            peak = max(peak, max(sum(tokens[j:j + w]) for j in range(n_mb - w + 1)) * act)
+            for j in range(n_mb - w + 1):
+                peak = max(peak, sum(docs[d] for d in set().union(*held[j:j + w])) * act)
         return self.stage_states_mb() + peak
 
 
@@ -200,11 +245,11 @@ def imbalance(times: Sequence[Sequence[float]]) -> float:
 
 
 def pp_lower_bound_ms(cost: PipelineCost, floor_ms: Sequence[float], dp: int, n_mb: int) -> float:
-    """A bound on any layout's 1F1B step given each sequence's fastest allowed stage time:
-    some rank holds >= 1/dp of the work, and its slowest micro-batch is >= its mean; the rank
-    with the slowest sequence waits >= pp times for it."""
-    total = sum(floor_ms)
-    return max(total / dp * (1 + (cost.pp - 1) / n_mb), cost.pp * max(floor_ms, default=0.0))
+    """A bound on any layout's 1F1B step given each sequence's fastest allowed stage time, split
+    documents allowed: some rank holds >= 1/dp of the work, and so does the one that holds the
+    slowest sequence (all its parts are on one rank); a rank's slowest micro-batch is >= its
+    mean, so the rank waits >= (1 + (pp - 1) / n_mb) times its work."""
+    return max(sum(floor_ms) / dp, max(floor_ms, default=0.0)) * (1 + (cost.pp - 1) / n_mb)
 
 
 def check_pipeline_sizes(name: str, global_batch: int, dp: int, mbs: int) -> int:

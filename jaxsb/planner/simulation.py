@@ -227,6 +227,10 @@ def describe_plan(cost, plan) -> list[dict]:
             if local:
                 entry["sharded"] = [plan.lengths[i] for i in sharded]
                 entry["local"] = {str(r): [plan.lengths[i] for i in ids] for r, ids in sorted(local.items())}
+            if plan.parts is not None:  # split documents: which document, from which token
+                ids = sharded + [i for r in sorted(local) for i in local[r]]
+                entry["documents"] = [plan.document_of(i) for i in ids]
+                entry["starts"] = [plan.span_of(i)[0] for i in ids]
             if plan.budgets is not None:
                 entry["budgets"] = [plan.budgets[i] for i in sharded] + [plan.budgets[i] for r in sorted(local)
                                                                          for i in local[r]]
@@ -261,13 +265,11 @@ TABLE_I = {  # SparseBalance's Table I rows: name -> (planner, options)
 
 
 def _budget_records(rec: dict, plan, curves, base: int) -> None:
-    """Per sequence its length, base budget, budget and coverage drop; and their summary."""
+    """Per document its length, base budget, budget and coverage drop (and a split document's
+    parts); and their summary."""
     from jaxsb.planner.dst import coverage_report
 
-    drops, summary = coverage_report(curves, base, plan.budgets)
-    rec["budgets"] = summary
-    rec["sequences"] = [dict(length=n, base_budget=base, budget=k, coverage_drop=round(d, 6))
-                        for n, k, d in zip(plan.lengths, plan.budgets, drops)]
+    rec["sequences"], rec["budgets"] = coverage_report(plan, curves, base)
 
 
 def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print, coverage=None,
@@ -286,7 +288,7 @@ def run(cost, planners: dict, batches: Sequence[Sequence[int]], log=print, cover
             solution = planner.solve(batch, coverage=curves_of[step])
             plan, info = solution.plan, solution.info
             ms = cost.plan_time_ms(plan)
-            mem = plan_memory_mb(cost, plan)
+            mem = cost.plan_memory_mb(plan) if pipeline else plan_memory_mb(cost, plan)
             rec = dict(step=step, solve_seconds=info.solve_seconds, modeled_ms=ms,
                        fell_back=info.fell_back, message=info.message,
                        template=plan.summary(), peak_memory_mb=round(mem, 1),

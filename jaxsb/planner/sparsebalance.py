@@ -41,11 +41,11 @@ from typing import Sequence
 
 import numpy as np
 
-from jaxsb.plan import GroupSpec, PlanError, build_plan
+from jaxsb.plan import GroupSpec, Part, PlanError, build_plan
 from jaxsb.planner.base import PlannerBase, check_options
 from jaxsb.planner.budgeting import BudgetHistory, check_budget_settings
 from jaxsb.planner.coverage import coverage_at
-from jaxsb.planner.dst import floors, tune
+from jaxsb.planner.dst import floors, raise_into_idle, tune
 from jaxsb.planner.pipeline_cost import check_pipeline_sizes, pp_lower_bound_ms
 
 BATCHINGS = ("none", "sab", "lbb")
@@ -65,12 +65,12 @@ def balanced_partition(weights: Sequence[float], bins: int, capacity: int | None
     return out
 
 
-def _pipeline_plan(dp: int, ranks: Sequence[Sequence[Sequence[int]]], lengths, budgets, name: str):
+def _pipeline_plan(dp: int, ranks: Sequence[Sequence[Sequence[int]]], lengths, budgets, name: str, parts=None):
     """ranks[r][m] = sequence ids of rank r's m-th micro-batch -> Plan (slot m, group r)."""
     n_mb = max(len(r) for r in ranks)
     mbs = [[GroupSpec(1, "local", tuple(ranks[r][m]) if m < len(ranks[r]) else ()) for r in range(dp)]
            for m in range(n_mb)]
-    return build_plan(dp, mbs, lengths, budgets=budgets, planner=name)
+    return build_plan(dp, mbs, lengths, budgets=budgets, planner=name, parts=parts)
 
 
 class _PipelinePlanner(PlannerBase):
@@ -115,7 +115,8 @@ class _PipelinePlanner(PlannerBase):
         return plan.with_budgets(res.budgets), res
 
     def _finish(self, plan, lengths, curves, fields: dict):
-        self.history.update(lengths, plan.budgets)
+        """Updates the history with each document's budget; the lower bound (pp_lower_bound_ms)."""
+        self.history.update(lengths, document_budgets(plan))
         floor_ms = [self.cost.sequence_ms(n, k) for n, k in zip(lengths, floors(curves, self.base, self.p))]
         n_mb = len(plan.template.microbatches)
         fields.setdefault("lower_bound_ms", pp_lower_bound_ms(self.cost, floor_ms, self.dp, n_mb))
@@ -160,6 +161,7 @@ class JaxsbPipelinePlanner(_PipelinePlanner):
 
     def _more_options(self, options):
         self.rounds = max(1, int(options.pop("rounds", 3)))
+        self.split = bool(options.pop("split", True))
         self.budgets_mode = options.pop("budgets", "dst")
         if self.budgets_mode not in ("dst", "base"):
             raise ValueError(f"{self.name}: budgets must be 'dst' or 'base', got {self.budgets_mode!r}")
@@ -178,6 +180,57 @@ class JaxsbPipelinePlanner(_PipelinePlanner):
         order = balanced_partition(load, self.dp, n_mb)
         return [[groups[j] for j in sorted(order[r], key=lambda j: -load[j])] for r in range(self.dp)]
 
+    def split_layout(self, lengths, budgets) -> tuple[list[list[list[int]]], list[int], list[Part]]:
+        """Seq1F1B-style: documents to ranks by predicted time (largest first to the lightest
+        rank), then each rank's documents, longest first, as one stream cut into its micro-batches
+        at equal predicted time — a cut inside a document splits it at a block boundary, so a
+        document's parts follow each other on its rank. Returns (ranks[r][m] = part ids, part
+        lengths, parts)."""
+        n_mb = self._sizes(lengths)
+        w = self._weights(lengths, budgets)
+        ranks, part_lengths, parts = [], [], []
+        for docs in balanced_partition(w, self.dp):
+            docs = sorted(docs, key=lambda d: (-w[d], d))
+            slots: list[list[int]] = [[] for _ in range(n_mb)]
+            target, done, m = sum(w[d] for d in docs) / n_mb, 0.0, 0
+            for d in docs:
+                start = 0
+                while start < lengths[d]:
+                    cut = lengths[d]
+                    if m < n_mb - 1:  # where this slot's share of the stream ends inside the document
+                        cut = self._cut(lengths[d], budgets[d], start, (m + 1) * target - done, target)
+                    if cut > start:
+                        slots[m].append(len(parts))
+                        parts.append(Part(d, start))
+                        part_lengths.append(cut - start)
+                        done += self.cost.part_ms(lengths[d], start, cut - start, budgets[d])
+                    if cut < lengths[d] or (m < n_mb - 1 and done >= (m + 1) * target - 0.02 * target):
+                        m = min(m + 1, n_mb - 1)
+                    start = cut
+            ranks.append(slots)
+        return ranks, part_lengths, parts
+
+    def _cut(self, doc_length: int, budget: int, start: int, room_ms: float, target: float) -> int:
+        """The block boundary in (start, doc_length] where the part from `start` best fills
+        `room_ms`; the document's end when the rest fits, or is within 2% of a slot of it."""
+        cost, block = self.cost, self.cost.block
+        rest = cost.part_ms(doc_length, start, doc_length - start, budget)
+        if rest <= room_ms + 0.02 * target:
+            return doc_length
+        if room_ms <= 0.02 * target:
+            return start
+        lo, hi = start // block, -(-doc_length // block)  # blocks; the part [start, b * block)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if cost.part_ms(doc_length, start, mid * block - start, budget) < room_ms:
+                lo = mid
+            else:
+                hi = mid
+        under = cost.part_ms(doc_length, start, lo * block - start, budget) if lo * block > start else 0.0
+        over = cost.part_ms(doc_length, start, min(hi * block, doc_length) - start, budget)
+        b = lo if room_ms - under <= over - room_ms else hi
+        return min(b * block, doc_length) if b * block > start else start
+
     def _solve(self, lengths, budgets, coverage=None):
         curves = self._curves(lengths, coverage)
         base = [self.base] * len(lengths)
@@ -188,25 +241,53 @@ class JaxsbPipelinePlanner(_PipelinePlanner):
         candidates = []
 
         def consider(label, plan):
-            candidates.append((self.cost.plan_time_ms(plan), -_mean_coverage(curves, plan.budgets), len(candidates),
+            candidates.append((self.cost.plan_time_ms(plan), -_mean_coverage(curves, plan), len(candidates),
                                label, dataclasses.replace(plan, planner=self.name)))
+
+        def whole(at):  # documents whole, laid out at budgets `at`, DST from the base budget
+            plan = _pipeline_plan(self.dp, self.layout(lengths, at), lengths, base, self.name)
+            return self._tuned(plan, curves, per_document=True, raise_to="free")[0]
+
+        def split(at):
+            """Documents split (Seq1F1B) and laid out at budgets `at`, which the parts keep, raised
+            only into idle time; None when its documents, held whole, exceed the in-flight memory."""
+            ranks, part_lengths, parts = self.split_layout(lengths, at)
+            plan = _pipeline_plan(self.dp, ranks, part_lengths, [at[p.document] for p in parts], self.name, parts)
+            raised = raise_into_idle(self.cost, plan, [curves[p.document] for p in parts], max_blocks=self.max_blocks)
+            plan = plan.with_budgets(raised.budgets)
+            return plan if self.cost.plan_memory_mb(plan) <= self.cost.memory_limit_mb else None
 
         layouts = [("base", base)]  # its own plan at the base budget, tuned: never worse than that
         for r in range(self.rounds):
             label, at = layouts.pop() if layouts else (f"round {r}", estimate)
-            plan = _pipeline_plan(self.dp, self.layout(lengths, at), lengths, base, self.name)
-            plan, _ = self._tuned(plan, curves, per_document=True, raise_to="free")
-            consider(label, plan)
-            estimate = list(plan.budgets)
+            made = [(label, whole(at))]
+            if self.split:  # the whole layout's DST budgets, split: its cuts buy a shorter step
+                made.append((f"{label} split", split(document_budgets(made[0][1]))))
+            made = [(name, plan) for name, plan in made if plan is not None]
+            for name, plan in made:
+                consider(name, plan)
+            estimate = document_budgets(min(candidates[-len(made):])[4])  # the next round: this round's best
         # SparseBalance's own plan (SAB + DST, with its own history): jaxsb is never slower
         consider("sparsebalance", self._sparsebalance.solve(lengths, coverage=curves).plan)
         ms, _, _, label, plan = min(candidates)
-        return self._finish(plan, lengths, curves, dict(rounds=self.rounds, chosen=label,
+        return self._finish(plan, lengths, curves, dict(rounds=self.rounds, split=self.split, chosen=label,
                                                          candidates_ms={c[3]: round(c[0], 3) for c in candidates}))
 
 
-def _mean_coverage(curves, budgets) -> float:
-    return float(np.mean([coverage_at(c, k) for c, k in zip(curves, budgets)]))
+def document_budgets(plan) -> list[int]:
+    """Per document its budget: a split document's parts' budgets weighted by their tokens."""
+    if plan.parts is None:
+        return list(plan.budgets)
+    total = [0.0] * len(plan.document_lengths())
+    for i, part in enumerate(plan.parts):
+        total[part.document] += plan.budgets[i] * plan.lengths[i]
+    return [max(1, int(round(t / n))) for t, n in zip(total, plan.document_lengths())]
+
+
+def _mean_coverage(curves, plan) -> float:
+    """The coverage the plan's budgets keep, per document (curves: per document), weighted by tokens."""
+    kept = [coverage_at(curves[plan.document_of(i)], k) * n for i, (n, k) in enumerate(zip(plan.lengths, plan.budgets))]
+    return float(sum(kept) / sum(plan.lengths))
 
 
 def _balance(w: Sequence[float], lengths: Sequence[int], cells: int, cap: int, max_moves: int = 200) -> list[list[int]]:

@@ -131,7 +131,9 @@ def test_one_f_one_b_step_imbalance_and_memory_window():
     assert cost.plan_time_ms(plan) == pytest.approx(
         sum(cost.group_time_ms(1, [n]) for n in plan.lengths) + 3 * cost.group_time_ms(1, [6000]), rel=1e-12)
     floor_ms = [5.0, 1.0, 1.0, 1.0]
-    assert pp_lower_bound_ms(cost, floor_ms, dp=2, n_mb=2) == max(8 / 2 * (1 + 3 / 2), 4 * 5.0)
+    # split documents allowed: the rank holding the 5.0 sequence has >= 5.0 of work, >= 2.5x that in 1F1B
+    assert pp_lower_bound_ms(cost, floor_ms, dp=2, n_mb=2) == max(8 / 2, 5.0) * (1 + 3 / 2)
+    assert pp_lower_bound_ms(cost, [1.0] * 8, dp=2, n_mb=2) == 8 / 2 * (1 + 3 / 2)
 
 
 # ------------------------------------------------------------------------ DST on hand cases
@@ -285,10 +287,12 @@ def test_budget_planner_properties(kind, opts):
     for lengths, curves in case_batches(4, seed=3):
         plan = planner.solve(lengths, coverage=curves).plan
         assert sorted(i for m in range(len(plan.template.microbatches)) for g in range(CASE["dp"])
-                      for i in plan.sequences_of(m, g)[0]) == list(range(len(lengths)))  # each placed once
+                      for i in plan.sequences_of(m, g)[0]) == list(range(len(plan.lengths)))  # each placed once
+        assert plan.document_lengths() == tuple(lengths)  # every document whole, or tiled by its parts
         assert all(1 <= k <= 64 for k in plan.budgets)
-        assert max(coverage_drop(c, 32, k) for c, k in zip(curves, plan.budgets)) <= 0.1 + 1e-12
-        base = plan.with_budgets([32] * len(lengths))
+        part_curves = [curves[plan.document_of(i)] for i in range(len(plan.lengths))]
+        assert max(coverage_drop(c, 32, k) for c, k in zip(part_curves, plan.budgets)) <= 0.1 + 1e-12
+        base = plan.with_budgets([32] * len(plan.lengths))
         before, after = cost.group_times_ms(base), cost.group_times_ms(plan)
         if kind == "jaxsb" or opts["dst"]:
             # the straggler never gets slower; jaxsb's raises spend idle time only
@@ -460,7 +464,13 @@ def test_simulator_table_i_and_json(tmp_path, capsys):
             times = [[g["time_ms"] for g in mb["groups"]] for mb in s["microbatches"]]
             assert s["imbalance"] == pytest.approx(imbalance(times), rel=1e-3)
             seqs = s["sequences"]
-            assert len(seqs) == 16 and all(set(q) == {"length", "base_budget", "budget", "coverage_drop"} for q in seqs)
+            assert len(seqs) == 16
+            for q in seqs:  # per document; a split one also lists its parts, which tile it
+                assert set(q) - {"parts"} == {"length", "base_budget", "budget", "coverage_drop"}
+                parts = q.get("parts", [dict(start=0, length=q["length"], coverage_drop=q["coverage_drop"])])
+                assert [x["start"] for x in parts] == list(itertools.accumulate([0] + [x["length"] for x in parts[:-1]]))
+                assert sum(x["length"] for x in parts) == q["length"]
+                assert q["coverage_drop"] == max(x["coverage_drop"] for x in parts)
             assert max(q["coverage_drop"] for q in seqs) <= 0.1 + 1e-9
             assert s["modeled_ms"] == pytest.approx(cost.combine_ms(times), rel=1e-3)
     assert data["planners"]["jaxsb"]["total_ms"] <= data["planners"]["+SAB+DST"]["total_ms"] + 1e-6
