@@ -51,6 +51,7 @@ executor runs ulysses for equal groups).
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import heapq
 import math
@@ -248,6 +249,79 @@ class JaxsbPlanner(PlannerBase):
         return specs
 
 
+class _Rooms:
+    """A packing's groups per degree, sorted by the room left under their micro-batch's target,
+    for `pack`'s best fit: the group with the least room left after the sequence (>= 0) that
+    also has the memory, the earliest entered of equal ones (as a scan of the degree's groups in
+    the order they joined it would choose). A group keeps its place in that order while it
+    grows; a merged group enters anew."""
+
+    def __init__(self, degrees: int):
+        self.sorted: list[list[tuple[float, int, int]]] = [[] for _ in range(degrees)]  # (room, order, g)
+        self.entry: dict[int, tuple[int, tuple[float, int, int]]] = {}  # g -> (degree index, its entry)
+        self.count = 0
+
+    def add(self, g: int, j: int, room: float) -> None:
+        e = (room, self.count, g)
+        self.count += 1
+        self.entry[g] = (j, e)
+        bisect.insort(self.sorted[j], e)
+
+    def drop(self, g: int) -> tuple[int, tuple[float, int, int]]:
+        j, e = self.entry.pop(g)
+        row = self.sorted[j]
+        del row[bisect.bisect_left(row, e)]
+        return j, e
+
+    def move(self, g: int, room: float) -> None:
+        j, (_, order, _) = self.drop(g)
+        e = (room, order, g)
+        self.entry[g] = (j, e)
+        bisect.insort(self.sorted[j], e)
+
+    def best_fit(self, j: int, need: float, has_memory) -> int | None:
+        row = self.sorted[j]
+        best = best_slack = None
+        for k in range(bisect.bisect_left(row, (need, -1, -1)), len(row)):
+            room, order, g = row[k]
+            slack = room - need
+            if best is not None and slack > best_slack:
+                break  # rooms only grow from here
+            if has_memory(g) and (best is None or order < best[0]):
+                best, best_slack = (order, g), slack
+        return None if best is None else best[1]
+
+
+class _Doubled:
+    """Per group of a packing, its sequences at the next degree (twice its own): summed time and
+    memory, added in the order the sequences joined, and whether all of them fit there — what
+    `_merge_for` compares, kept up to date as groups grow so a merge reads arrays."""
+
+    def __init__(self, ctx: "_Context", size: int):
+        self.ctx = ctx
+        self.time = np.zeros(size)
+        self.mem = np.zeros(size)
+        self.ok = np.zeros(size, dtype=bool)  # non-empty, every sequence fits at the next degree
+        self.mb = np.zeros(size, dtype=np.intp)
+
+    def start(self, g: int, mb: int, j: int, ids) -> None:
+        self.time[g] = self.mem[g] = 0.0
+        self.ok[g] = j + 1 < self.ctx.nd and bool(ids)
+        self.mb[g] = mb
+        for x in ids:
+            self.add(g, j, x)
+
+    def add(self, g: int, j: int, x: int) -> None:
+        k = j + 1
+        if k < self.ctx.nd:
+            self.time[g] += self.ctx.t[x][k]
+            self.mem[g] += self.ctx.m[x][k]
+            self.ok[g] = self.ok[g] and self.ctx.fit[x][k]
+
+    def retire(self, g: int) -> None:
+        self.ok[g] = False
+
+
 class _Context:
     """Per-batch tables as Python lists (fast scalar access) and the search routines."""
 
@@ -278,6 +352,18 @@ class _Context:
         self.bt_min = float(min(self.bt))
         self.best_single = [min((self.bt[j] + self.t[i][j] for j in range(self.nd) if self.fit[i][j]))
                             for i in range(n)]
+        # per position p of `order`: the least time and memory at each degree of order[p + 1:]
+        # (pack's first fit drops a group that cannot take even these: no later sequence fits it)
+        self.position = {i: p for p, i in enumerate(self.order)}
+        self.after_t = self._suffix_min(np.where(fits, T, np.inf))
+        self.after_m = self._suffix_min(np.where(fits, Mm, np.inf))
+
+    def _suffix_min(self, X: np.ndarray) -> list[list[float]]:
+        if not self.n:
+            return []
+        ordered = X[self.order]
+        mins = np.minimum.accumulate(ordered[::-1], axis=0)[::-1]
+        return np.vstack([mins[1:], np.full((1, X.shape[1]), np.inf)]).tolist()
 
     # ------------------------------------------------------------------------- packing
     def pack(self, caps: Sequence[float], reuse: bool = False, pin: tuple[int, int, int] | None = None
@@ -294,8 +380,9 @@ class _Context:
             return None
         free = [N] * M
         groups = []
-        sums: dict = {}  # _merge_for's running sums per (group, degree)
+        doubled = _Doubled(self, self.n + 1)  # a group per sequence at most, and the pinned one
         by_deg = [[] for _ in range(self.nd)]
+        rooms = _Rooms(self.nd)  # the same groups, by the room left under their micro-batch's target
         rest = []
         single = deg[0] == 1
         if pin is not None:
@@ -305,6 +392,8 @@ class _Context:
             free[b] -= deg[j]
             by_deg[j].append(0)
             groups.append([b, j, bt[j] + t[i][j], m[i][j], [i]])
+            rooms.add(0, j, caps[b] - groups[0][2])
+            doubled.start(0, b, j, [i])
         for i in self.order:
             if pin is not None and i == pin[0]:
                 continue
@@ -319,17 +408,14 @@ class _Context:
                         continue
                     tij, mij, cj = ti[j], mi[j], cap[j]
                     if use_old:  # best fit into an existing group of this degree
-                        best, best_slack = None, math.inf
-                        for g in by_deg[j]:
-                            G = groups[g]
-                            slack = caps[G[0]] - G[2] - tij
-                            if 0.0 <= slack < best_slack and G[3] + mij <= cj:
-                                best, best_slack = g, slack
+                        best = rooms.best_fit(j, tij, lambda g: groups[g][3] + mij <= cj)
                         if best is not None:
                             G = groups[best]
                             G[2] += tij
                             G[3] += mij
                             G[4].append(i)
+                            rooms.move(best, caps[G[0]] - G[2])
+                            doubled.add(best, j, i)
                             placed = True
                             break
                     if use_new:  # a new group where most room is left under its target, then most devices
@@ -343,13 +429,23 @@ class _Context:
                         if mb >= 0:
                             free[mb] -= d
                             by_deg[j].append(len(groups))
+                            rooms.add(len(groups), j, caps[mb] - need)
+                            doubled.start(len(groups), mb, j, [i])
                             groups.append([mb, j, need, mij, [i]])
                             placed = True
                             break
                 if placed:
                     break
-            if not placed and not self._merge_for(i, caps, groups, by_deg, sums):
-                return None
+            if not placed:
+                merged = self._merge_for(i, caps, groups, by_deg, doubled)
+                if merged is None:
+                    return None
+                a, b = merged  # a became the merged group, b was retired
+                rooms.drop(a)
+                rooms.drop(b)
+                rooms.add(a, groups[a][1], caps[groups[a][0]] - groups[a][2])
+                doubled.start(a, groups[a][0], groups[a][1], groups[a][4])
+                doubled.retire(b)
         if rest:
             if not single:
                 return None
@@ -365,6 +461,7 @@ class _Context:
             heap = [(max((groups[g][2] - b0) / span[groups[g][0]], groups[g][3] / c0), g) for g in by_deg[0]]
             heapq.heapify(heap)
             big = [g for j in range(1, self.nd) for g in by_deg[j]]
+            position, after_t, after_m = self.position, self.after_t, self.after_m
             for i in rest:
                 ti, mi = t[i], m[i]
                 t0, m0 = ti[0], mi[0]
@@ -386,12 +483,18 @@ class _Context:
                 if done:
                     continue
                 best = None  # first fit, smallest degree first (cheapest), into the big groups
-                for g in big:
+                lo_t, lo_m = after_t[position[i]], after_m[position[i]]
+                full = []  # groups too full for every later sequence: out of the scan for good
+                for k, g in enumerate(big):
                     G = groups[g]
                     j = G[1]
                     if fit[i][j] and G[2] + ti[j] <= caps[G[0]] and G[3] + mi[j] <= cap[j]:
                         best = g
                         break
+                    if G[2] + lo_t[j] > caps[G[0]] or G[3] + lo_m[j] > cap[j]:
+                        full.append(k)
+                for k in reversed(full):
+                    del big[k]
                 if best is None:
                     return None
                 G = groups[best]
@@ -400,49 +503,39 @@ class _Context:
                 G[4].append(i)
         return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
 
-    def _merge_for(self, i, caps, groups, by_deg, sums: dict) -> bool:
+    def _merge_for(self, i, caps, groups, by_deg, doubled: _Doubled) -> tuple[int, int] | None:
         """Makes room for sequence i when no group takes it and no devices are free: two groups
         of degree d in one micro-batch become one group of degree 2d (half the memory per device
         for their sequences) that also takes i. The merge leaving the most room under the
-        micro-batch's target wins; False if none fits. `sums[(g, k)]`: [ids counted, time,
-        memory, all fit] of group g's sequences at degree index k, extended as the group grows
-        (a group's list only grows at its end; a merge's emptied group starts again)."""
+        micro-batch's target wins (the first micro-batch, in the order its groups joined the
+        degree, of equal ones); returns (the merged group, the retired one), None if none fits.
+        `doubled`: each group's sequences at degree 2d."""
         t, m, cap, fit, bt, deg = self.t, self.m, self.cap, self.fit, self.bt, self.deg
         best = None
         for j in range(self.nd - 1):
             k = j + 1
-            if deg[k] != 2 * deg[j] or not fit[i][k]:
+            if deg[k] != 2 * deg[j] or not fit[i][k] or len(by_deg[j]) < 2:
                 continue
             need_t, need_m = bt[k] + t[i][k], m[i][k]
-            by_mb: dict = {}
-            for g in by_deg[j]:  # each group's sequences at degree 2d: (time, memory)
-                ids = groups[g][4]
-                c = sums.get((g, k))
-                if c is None or c[0] > len(ids):
-                    c = sums[(g, k)] = [0, 0, 0, True]
-                for x in ids[c[0]:]:  # the same additions, in the same order, as one sum() over ids
-                    c[1] += t[x][k]
-                    c[2] += m[x][k]
-                    c[3] = c[3] and fit[x][k]
-                c[0] = len(ids)
-                if ids and c[3]:
-                    by_mb.setdefault(groups[g][0], []).append((c[1], c[2], g))
-            for mb, gs in by_mb.items():
+            members = np.fromiter(by_deg[j], dtype=np.intp, count=len(by_deg[j]))
+            members = members[doubled.ok[members]]  # in the order they joined the degree
+            mbs = doubled.mb[members]
+            _, first = np.unique(mbs, return_index=True)
+            for mb in mbs[np.sort(first)].tolist():
+                gs = members[mbs == mb]
                 if len(gs) < 2:
                     continue
-                ts = np.array([x[0] for x in gs])
-                ms = np.array([x[1] for x in gs])
-                pair = self._best_pair(ts, ms, need_t, need_m, cap[k], caps[mb])
+                pair = self._best_pair(doubled.time[gs], doubled.mem[gs], need_t, need_m, cap[k], caps[mb])
                 if pair is None:
                     continue
                 pa, pb, load, mem = pair
                 if best is None or load < best[0]:
-                    a, b = gs[pa][2], gs[pb][2]
+                    a, b = int(gs[pa]), int(gs[pb])
                     best = (load, mem, a, b, k, groups[a][4] + groups[b][4])
             if best is not None:
                 break
         if best is None:
-            return False
+            return None
         load, mem, a, b, k, ids = best
         for g in (a, b):  # the two groups become one: a holds it, b is emptied and retired
             by_deg[groups[g][1]].remove(g)
@@ -451,7 +544,7 @@ class _Context:
         groups[b][4] = []
         groups[b][2], groups[b][3] = bt[groups[b][1]], 0.0
         groups[b][0] = -1  # no longer on any device
-        return True
+        return a, b
 
     def _best_pair(self, ts: np.ndarray, ms: np.ndarray, need_t: float, need_m: float, mem_cap: float,
                    time_cap: float):

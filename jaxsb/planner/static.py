@@ -19,10 +19,9 @@ A step's time is the cost model's: sum over micro-batches of the slowest group.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from typing import Sequence
-
-import numpy as np
 
 from jaxsb.plan import GroupSpec, Plan, PlanError, Runnable, build_plan
 from jaxsb.planner.base import (PlannerBase, check_degrees, check_longest_fits, check_options, check_scheme,
@@ -31,23 +30,23 @@ from jaxsb.planner.cost import CostModel, token_capacity
 
 
 def best_fit_decreasing(lengths: Sequence[int], capacity: float) -> list[list[int]]:
-    """Bins of sequence ids; each sequence goes to the open bin it fills best, else a new bin."""
+    """Bins of sequence ids; each sequence goes to the open bin it fills best (the least room
+    left, the lowest bin of equal ones), else a new bin. Open bins are kept sorted by their room."""
     order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # stable: ties in input order
     bins: list[list[int]] = []
-    remaining = np.zeros(0)
+    rooms: list[tuple[float, int]] = []  # (room left, bin), sorted
     for i in order:
         s = lengths[i]
-        slack = remaining - s
-        ok = np.flatnonzero(slack >= 0)
-        if ok.size:
-            b = int(ok[np.argmin(slack[ok])])
-            remaining[b] -= s
+        k = bisect.bisect_left(rooms, (s, -1))  # the least room >= s, the lowest bin first
+        if k < len(rooms):
+            room, b = rooms.pop(k)
+            bisect.insort(rooms, (room - s, b))
             bins[b].append(i)
         else:
             if s > capacity:
                 raise PlanError(f"sequence {i} of length {s} exceeds the bin capacity {capacity:.0f}")
+            bisect.insort(rooms, (float(capacity) - s, len(bins)))
             bins.append([i])
-            remaining = np.append(remaining, capacity - s)
     return bins
 
 

@@ -307,11 +307,12 @@ def test_jaxsb_group_merges_match_the_pairwise_loop(monkeypatch):
     def checking(ctx, i, caps, groups, by_deg, *rest):
         want = reference(ctx, i, caps, [list(G[:4]) + [list(G[4])] for G in groups], [list(x) for x in by_deg])
         done = merged_for(ctx, i, caps, groups, by_deg, *rest)
-        assert done == (want is not None)
+        assert (done is not None) == (want is not None)
         if want is not None:
             load, a, b, k, ids = want
+            assert done == (a, b)
             assert (groups[a][1], groups[a][2], groups[a][4], groups[b][0]) == (k, load, ids, -1)
-        checked.append(done)
+        checked.append(done is not None)
         return done
 
     monkeypatch.setattr(joint._Context, "_merge_for", checking)
@@ -320,6 +321,45 @@ def test_jaxsb_group_merges_match_the_pairwise_loop(monkeypatch):
     batches, _, _ = make_batches(synthetic_lengths("bimodal", 0), n, 64, L, 2, align=2 * n)
     plan = make_planners(["jaxsb"], [], cost, n)[0]["jaxsb"].plan(batches[1])
     assert validate(plan) and len(checked) >= 100 and any(checked)
+
+
+def test_jaxsb_best_fit_rooms_against_a_plain_scan():
+    """pack's best fit into an existing group (joint._Rooms): the group a scan of the degree's
+    groups in joining order picks — least room left after the sequence (>= 0) among those with
+    the memory, the first of equal ones — through adds, growths (a group keeps its place) and
+    merges (a merged group joins anew), with many equal rooms."""
+    from jaxsb.planner.joint import _Rooms
+
+    rng = np.random.default_rng(1)
+    for trial in range(100):
+        rooms, order = _Rooms(2), [[], []]  # order[j]: the degree's groups in joining order
+        room, mem = {}, {}
+        for step in range(80):
+            op = rng.random()
+            j = int(rng.integers(0, 2))
+            if op < 0.3 or not order[j]:
+                g = len(room)
+                room[g], mem[g] = float(rng.integers(0, 6)), float(rng.integers(0, 4))
+                rooms.add(g, j, room[g])
+                order[j].append(g)
+            elif op < 0.9:
+                need, limit = float(rng.integers(0, 5)), float(rng.integers(1, 5))
+                want = None
+                for g in order[j]:
+                    slack = room[g] - need
+                    if slack >= 0 and mem[g] <= limit and (want is None or slack < room[want] - need):
+                        want = g
+                got = rooms.best_fit(j, need, lambda g: mem[g] <= limit)
+                assert got == want, (trial, step)
+                if got is not None:
+                    room[got] -= need
+                    mem[got] += 1.0
+                    rooms.move(got, room[got])
+            else:  # a merge: g leaves its degree and joins the other one last
+                g = order[j].pop(int(rng.integers(0, len(order[j]))))
+                rooms.drop(g)
+                rooms.add(g, 1 - j, room[g])
+                order[1 - j].append(g)
 
 
 def test_jaxsb_best_pair_against_a_plain_loop():

@@ -66,6 +66,30 @@ def test_best_fit_decreasing():
     assert sorted(i for b in bins for i in b) == list(range(6))
 
 
+def test_best_fit_decreasing_against_a_plain_scan():
+    """The sorted-rooms best fit equals a scan of every open bin (least room left >= the
+    sequence, the lowest bin of equal ones) on random lengths with many ties."""
+    def scan(lengths, capacity):
+        bins, room = [], []
+        for i in sorted(range(len(lengths)), key=lambda i: -lengths[i]):
+            s = lengths[i]
+            fits = [b for b in range(len(bins)) if room[b] - s >= 0]
+            if fits:
+                b = min(fits, key=lambda b: (room[b] - s, b))
+                room[b] -= s
+                bins[b].append(i)
+            else:
+                bins.append([i])
+                room.append(float(capacity) - s)
+        return bins
+
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        lengths = (rng.integers(1, 9, size=int(rng.integers(1, 60))) * 128).tolist()
+        capacity = float(max(lengths) * rng.uniform(1, 4))
+        assert best_fit_decreasing(lengths, capacity) == scan(lengths, capacity), trial
+
+
 def test_a_sequence_that_fits_nowhere_is_named_with_the_capacity():
     cost = load_preset("flexsp-a100:gpt-7b", num_devices=8, max_len=64000)
     cap = token_capacity(cost, 8)
