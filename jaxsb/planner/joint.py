@@ -165,7 +165,7 @@ class JaxsbPlanner(PlannerBase):
             if time.perf_counter() > deadline and best is not None:
                 stopped = True
                 break
-            pk = ctx.search(M, self.search_steps)
+            pk = ctx.search(M, self.search_steps, beat=math.inf if best is None else best.total())
             stopped = stopped or ctx.expired()
             if pk is None:
                 tried.append((M, "infeasible"))
@@ -303,13 +303,24 @@ class _Doubled:
         self.mem = np.zeros(size)
         self.ok = np.zeros(size, dtype=bool)  # non-empty, every sequence fits at the next degree
         self.mb = np.zeros(size, dtype=np.intp)
+        self.degree = np.full(size, -1, dtype=np.intp)  # its degree index; -1: no group (yet)
+        self.joined = np.zeros(size, dtype=np.int64)  # when it joined that degree (by_deg's order)
+        self.count = 0
 
     def start(self, g: int, mb: int, j: int, ids) -> None:
+        """Group g joins degree index j in micro-batch mb with these sequences."""
         self.time[g] = self.mem[g] = 0.0
         self.ok[g] = j + 1 < self.ctx.nd and bool(ids)
-        self.mb[g] = mb
+        self.mb[g], self.degree[g], self.joined[g] = mb, j, self.count
+        self.count += 1
         for x in ids:
             self.add(g, j, x)
+
+    def members(self, j: int) -> np.ndarray:
+        """The groups of degree index j whose sequences all fit at the next degree, in the order
+        they joined it."""
+        sel = np.flatnonzero((self.degree == j) & self.ok)
+        return sel[np.argsort(self.joined[sel], kind="stable")]
 
     def add(self, g: int, j: int, x: int) -> None:
         k = j + 1
@@ -320,6 +331,7 @@ class _Doubled:
 
     def retire(self, g: int) -> None:
         self.ok[g] = False
+        self.degree[g] = -1
 
 
 class _Context:
@@ -462,24 +474,26 @@ class _Context:
             heapq.heapify(heap)
             big = [g for j in range(1, self.nd) for g in by_deg[j]]
             position, after_t, after_m = self.position, self.after_t, self.after_m
+            heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
             for i in rest:
                 ti, mi = t[i], m[i]
                 t0, m0 = ti[0], mi[0]
                 done = False
                 popped = []
-                while heap and len(popped) < 4:
-                    key, g = heap[0]
-                    G = groups[g]
+                while heap:
+                    G = groups[heap[0][1]]
                     if G[2] + t0 <= caps[G[0]] and G[3] + m0 <= c0:
                         G[2] += t0
                         G[3] += m0
                         G[4].append(i)
-                        heapq.heapreplace(heap, (max((G[2] - b0) / span[G[0]], G[3] / c0), g))
+                        heapreplace(heap, (max((G[2] - b0) / span[G[0]], G[3] / c0), heap[0][1]))
                         done = True
                         break
-                    popped.append(heapq.heappop(heap))
+                    popped.append(heappop(heap))
+                    if len(popped) == 4:
+                        break
                 for p in popped:
-                    heapq.heappush(heap, p)
+                    heappush(heap, p)
                 if done:
                     continue
                 best = None  # first fit, smallest degree first (cheapest), into the big groups
@@ -517,8 +531,7 @@ class _Context:
             if deg[k] != 2 * deg[j] or not fit[i][k] or len(by_deg[j]) < 2:
                 continue
             need_t, need_m = bt[k] + t[i][k], m[i][k]
-            members = np.fromiter(by_deg[j], dtype=np.intp, count=len(by_deg[j]))
-            members = members[doubled.ok[members]]  # in the order they joined the degree
+            members = doubled.members(j)
             mbs = doubled.mb[members]
             _, first = np.unique(mbs, return_index=True)
             for mb in mbs[np.sort(first)].tolist():
@@ -618,9 +631,11 @@ class _Context:
                     best = pk
         return best, hi
 
-    def search(self, M: int, steps: int) -> _Packing | None:
+    def search(self, M: int, steps: int, beat: float = math.inf) -> _Packing | None:
         """Uniform target first; then one "heavy" micro-batch whose target is set by the longest
-        sequence at each degree (its group can then be smaller and cheaper), the others bisected."""
+        sequence at each degree (its group can then be smaller and cheaper), the others bisected.
+        A heavy target is skipped when its targets already sum past this search's best packing
+        or past `beat` (the best packing of another micro-batch count)."""
         if self.n == 0:
             return None
         b0 = min(self.bt)
@@ -643,8 +658,10 @@ class _Context:
             if th <= tu * 1.0001:
                 continue
             x_lo = others_low(th)
-            if x_lo >= tu or th + (M - 1) * x_lo >= best.total():
+            if x_lo >= tu or th + (M - 1) * x_lo >= min(best.total(), beat):
                 continue  # cannot beat the best packing
+            if not self._may_beat(th, M, tu, min(best.total(), beat)):
+                continue
             best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, tu, steps, best)
         # the longest sequence at the smallest degree whose group ends before the uniform target,
         # pinned to a micro-batch of its own length; the others share the rest (one more bisection)
@@ -652,10 +669,19 @@ class _Context:
         if j is not None and not self.expired():
             th = self.bt[j] + self.t[i0][j]
             x_lo = others_low(th)
-            if th + (M - 1) * x_lo < best.total():
-                best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, max(x_lo, tu) * 1.1, steps, best,
-                                       pin=(i0, j, 0))
+            hi = max(x_lo, tu) * 1.1
+            if th + (M - 1) * x_lo < min(best.total(), beat) and \
+                    self._may_beat(th, M, hi, min(best.total(), beat), pin=(i0, j, 0)):
+                best, _ = self._bisect(lambda x: [th] + [x] * (M - 1), x_lo, hi, steps, best, pin=(i0, j, 0))
         return best
+
+    def _may_beat(self, th: float, M: int, hi: float, target: float, pin=None) -> bool:
+        """Whether a heavy target th is worth its bisection of the other micro-batches' target x
+        (up to hi): False when the x whose targets [th, x, ..., x] sum to `target` (the best
+        packing so far) is below hi and has no packing — the bisection would end above it, with
+        targets summing past the best packing."""
+        x = (target - th) / (M - 1)
+        return x >= hi or (x > 0 and self.pack([th] + [x] * (M - 1), pin=pin) is not None)
 
     # ---------------------------------------------------------------------- local search
     def local_search(self, pk: _Packing, budget: int, deadline: float) -> tuple[int, bool]:
