@@ -13,9 +13,10 @@ A plan has two parts:
 A plan's sequences are the batch's documents, in order — unless the plan has `parts`: then
 sequence i is the token range [start, start + lengths[i]) of document `parts[i].document`
 (Seq1F1B-style splitting of a long document over consecutive micro-batches, which only the
-pipeline setting of the simulator plans: the executor refuses such plans). The parts of a
-document tile it in order from token 0, sit in the same degree-1 group of consecutive
-micro-batches, and each later part attends to the keys and values of the earlier ones.
+pipeline setting of the simulator plans: the executor refuses such plans). Every document of
+such a plan (split or whole) runs in degree-1 groups; the parts of a document tile it in order
+from token 0, sit on the same device in consecutive micro-batches, and each later part attends
+to the keys and values of the earlier ones.
 
 Schemes: ``local`` (degree 1, no communication), ``ulysses`` (all-to-all sequence <-> heads)
 and ``ring`` (key/value blocks passed around the group). Rules, checked by `validate`:
@@ -372,6 +373,9 @@ def _validate_parts(plan: Plan) -> None:
     0 by parts in one degree-1 group of consecutive micro-batches."""
     if len(plan.parts) != len(plan.lengths):
         raise PlanError(f"{len(plan.lengths)} sequences but {len(plan.parts)} parts")
+    for i, part in enumerate(plan.parts):
+        if part.document < 0:
+            raise PlanError(f"sequence {i}: part of document {part.document}; documents are numbered from 0")
     doc_lengths, parts = plan._documents
     for d in range(len(doc_lengths)):
         ids = parts.get(d, [])
@@ -390,7 +394,9 @@ def _validate_parts(plan: Plan) -> None:
                                 "split documents run whole on one rank per part (degree-1 groups)")
             if j:
                 prev = plan.placements[ids[j - 1]]
-                if (place.group, place.microbatch) != (prev.group, prev.microbatch + 1):
+                device = plan.template.microbatches[place.microbatch].groups[place.group].start
+                before = plan.template.microbatches[prev.microbatch].groups[prev.group].start
+                if (device, place.microbatch) != (before, prev.microbatch + 1):
                     raise PlanError(f"document {d}: part {j} (sequence {i}) is in micro-batch {place.microbatch} "
-                                    f"group {place.group}, expected micro-batch {prev.microbatch + 1} group "
-                                    f"{prev.group}: a document's parts follow each other on one rank")
+                                    f"on device {device}, expected micro-batch {prev.microbatch + 1} on device "
+                                    f"{before}: a document's parts follow each other on one rank")

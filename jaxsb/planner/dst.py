@@ -155,8 +155,9 @@ def raise_path(cost, lengths, cell: Cell, curves, start: Sequence[int], stop: Se
     heap = []
 
     def push(i, k):
-        nb = -(-lengths[i] // block)
-        if k < min(stop[i], nb):
+        nb = -(-lengths[i] // block)  # its query blocks; they see up to `seen` key blocks
+        seen = nb if cell.spans is None else -(-(cell._span_of[i][0] + lengths[i]) // block)
+        if k < min(stop[i], seen):
             gain = nb * (coverage_at(curves[i], k + 1) - coverage_at(curves[i], k))
             if gain <= 0:  # sorted masses: a step that gains nothing is followed by no gain
                 return

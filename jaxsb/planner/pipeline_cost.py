@@ -35,7 +35,10 @@ part attends to the earlier parts' keys and values, and its backward runs before
 A part costs its tokens' share of the per-token terms plus the block pairs of its own query
 blocks (`part_ms`), so a document's parts add up to the document; the 1F1B formula above
 takes the parts' micro-batches like any others (Seq1F1B's schedule keeps 1F1B's bubble: our
-reading of its paper, which reports fewer bubbles, not more).
+reading of its paper, which reports fewer bubbles, not more). Micro-batches linked by split
+documents form a chain (`chains`): a chain's backward waits for its last micro-batch, so a
+chain of more than pp micro-batches is refused (neither the formula nor the memory holds), and
+stage 0's memory window takes every micro-batch of the chains it touches.
 
 Hardware: H200 SXM data sheet — 989 TFLOP/s dense BF16, 4.8 TB/s HBM3e, NVLink 900 GB/s
 (450 GB/s each way), 141 GB. Assumed efficiencies: 0.60 of peak for the linear layers, 0.40
@@ -214,25 +217,55 @@ class PipelineCost:
         return out
 
     def plan_time_ms(self, plan) -> float:
+        self._check_chains(plan)
         return self.combine_ms(self.group_times_ms(plan))
+
+    @staticmethod
+    def chains(plan) -> list[list[int]]:
+        """Per rank (group) g, per micro-batch m, the first micro-batch of m's chain: micro-batches
+        m and m + 1 are linked when a document has parts in both (one chain holds them all)."""
+        out = []
+        n_mb = len(plan.template.microbatches)
+        for g in range(len(plan.template.microbatches[0].groups) if n_mb else 0):
+            head = list(range(n_mb))
+            for m in range(1, n_mb):  # a later part (start > 0) continues a document of m - 1
+                if plan.parts is not None and any(plan.span_of(i)[0] > 0 for i in plan.sequences_of(m, g)[0]):
+                    head[m] = head[m - 1]
+            out.append(head)
+        return out
+
+    def longest_chain(self, plan) -> int:
+        """The most micro-batches of one rank linked by split documents (1 when nothing is split)."""
+        return max((sum(1 for h in head if h == x) for head in self.chains(plan) for x in set(head)), default=1)
+
+    def _check_chains(self, plan) -> None:
+        if plan.parts is not None and self.longest_chain(plan) > self.pp:
+            raise ValueError(f"cost model {self.name}: split documents link {self.longest_chain(plan)} micro-batches "
+                             f"of one rank, more than pp={self.pp}: the 1F1B formula and the in-flight memory "
+                             "do not hold for such a Seq1F1B chain")
 
     def plan_memory_mb(self, plan) -> float:
         """Stage 0's peak per GPU: its states and the activations of the pp micro-batches in
-        flight at once under 1F1B (the heaviest window of pp consecutive micro-batches). A split
-        document counts whole in every window that holds one of its parts: Seq1F1B keeps its
-        earlier parts' activations (and keys and values) until its later parts' backward."""
+        flight at once under 1F1B (the heaviest window of pp consecutive micro-batches). With
+        split documents a window holds every micro-batch of the chains it touches (`chains`: a
+        micro-batch's backward waits for its documents' later parts, Seq1F1B's order), and a
+        split document counts whole: its earlier parts' activations (keys and values too) stay
+        until its later parts' backward."""
+        self._check_chains(plan)
         n_mb = len(plan.template.microbatches)
         act = 34 * self.hidden * (self.layers // self.pp) / self.tp / 2**20
         docs = plan.document_lengths()
         peak = 0.0
-        for g in range(len(plan.template.microbatches[0].groups) if n_mb else 0):
+        for g, head in enumerate(self.chains(plan)):
             held = []  # per micro-batch: the documents it holds
             for m in range(n_mb):
                 sharded, local = plan.sequences_of(m, g)
                 held.append({plan.document_of(i) for i in list(sharded) + [i for r in local.values() for i in r]})
             w = min(self.pp, n_mb)
             for j in range(n_mb - w + 1):
-                peak = max(peak, sum(docs[d] for d in set().union(*held[j:j + w])) * act)
+                heads = set(head[j:j + w])
+                window = [m for m in range(n_mb) if head[m] in heads]
+                peak = max(peak, sum(docs[d] for d in set().union(*(held[m] for m in window))) * act)
         return self.stage_states_mb() + peak
 
 
@@ -245,10 +278,11 @@ def imbalance(times: Sequence[Sequence[float]]) -> float:
 
 
 def pp_lower_bound_ms(cost: PipelineCost, floor_ms: Sequence[float], dp: int, n_mb: int) -> float:
-    """A bound on any layout's 1F1B step given each sequence's fastest allowed stage time, split
-    documents allowed: some rank holds >= 1/dp of the work, and so does the one that holds the
-    slowest sequence (all its parts are on one rank); a rank's slowest micro-batch is >= its
-    mean, so the rank waits >= (1 + (pp - 1) / n_mb) times its work."""
+    """A bound on any layout's 1F1B step given each sequence's fastest allowed stage time (at
+    its coverage floor; a split document's parts keep it too), split documents allowed: some rank
+    holds >= 1/dp of the work, and the rank holding the slowest sequence holds at least its time
+    (all its parts are on that rank); a rank's slowest micro-batch is >= its mean, so the rank
+    takes >= (1 + (pp - 1) / n_mb) times its work."""
     return max(sum(floor_ms) / dp, max(floor_ms, default=0.0)) * (1 + (cost.pp - 1) / n_mb)
 
 

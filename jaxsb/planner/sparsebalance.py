@@ -199,6 +199,8 @@ class JaxsbPipelinePlanner(_PipelinePlanner):
                     cut = lengths[d]
                     if m < n_mb - 1:  # where this slot's share of the stream ends inside the document
                         cut = self._cut(lengths[d], budgets[d], start, (m + 1) * target - done, target)
+                    if start and cut == start:  # a document's next part takes at least a block: no gap
+                        cut = min(start + self.cost.block, lengths[d])
                     if cut > start:
                         slots[m].append(len(parts))
                         parts.append(Part(d, start))
@@ -250,9 +252,12 @@ class JaxsbPipelinePlanner(_PipelinePlanner):
 
         def split(at):
             """Documents split (Seq1F1B) and laid out at budgets `at`, which the parts keep, raised
-            only into idle time; None when its documents, held whole, exceed the in-flight memory."""
+            only into idle time; None when split documents link more micro-batches than there are
+            stages, or its in-flight activations exceed the memory."""
             ranks, part_lengths, parts = self.split_layout(lengths, at)
             plan = _pipeline_plan(self.dp, ranks, part_lengths, [at[p.document] for p in parts], self.name, parts)
+            if self.cost.longest_chain(plan) > self.cost.pp:
+                return None  # more linked micro-batches than stages: Seq1F1B's schedule is not modelled
             raised = raise_into_idle(self.cost, plan, [curves[p.document] for p in parts], max_blocks=self.max_blocks)
             plan = plan.with_budgets(raised.budgets)
             return plan if self.cost.plan_memory_mb(plan) <= self.cost.memory_limit_mb else None

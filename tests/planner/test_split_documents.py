@@ -70,17 +70,23 @@ def test_a_split_plan_and_its_rules():
     assert plan.span_of(1) == (4096, 10000) and plan.span_of(2) == (0, 700)
     bad = {
         "starts at token 4000, expected 4096": ([[0], [1, 2]], [4096, 5904, 700], [Part(0, 0), Part(0, 4000), Part(1, 0)]),
-        "expected micro-batch 1 group 0": ([[0], [2], [1]], [4096, 5904, 700], [Part(0, 0), Part(0, 4096), Part(1, 0)]),
+        "expected micro-batch 1 on device 0": ([[0], [2], [1]], [4096, 5904, 700], [Part(0, 0), Part(0, 4096), Part(1, 0)]),
         "document 1 has no part": ([[0], [1, 2]], [4096, 5904, 700], [Part(0, 0), Part(0, 4096), Part(2, 0)]),
         "3 sequences but 2 parts": ([[0], [1, 2]], [4096, 5904, 700], [Part(0, 0), Part(0, 4096)]),
     }
     for message, args in bad.items():
         with pytest.raises(PlanError, match=message):
             one_rank(*args)
-    with pytest.raises(PlanError, match="expected micro-batch 1 group 0"):  # the next part on another rank
+    with pytest.raises(PlanError, match="expected micro-batch 1 on device 0"):  # the next part on another rank
         build_plan(2, [[GroupSpec(1, "local", (0,)), GroupSpec(1, "local", (2,))],
                        [GroupSpec(1, "local", ()), GroupSpec(1, "local", (1,))]], [4096, 5904, 700],
                    parts=[Part(0, 0), Part(0, 4096), Part(1, 0)])
+    with pytest.raises(PlanError, match="expected micro-batch 1 on device 2"):  # same group index, other device
+        build_plan(3, [[GroupSpec(2, "ring", ()), GroupSpec(1, "local", (0,))],
+                       [GroupSpec(1, "local", ()), GroupSpec(1, "local", (1,)), GroupSpec(1, "local", ())]],
+                   [4096, 5904], parts=[Part(0, 0), Part(0, 4096)])
+    with pytest.raises(PlanError, match="part of document -1"):
+        one_rank([[0], [1]], [4096, 700], [Part(0, 0), Part(-1, 0)])
     with pytest.raises(PlanError, match="degree-1 groups"):
         build_plan(2, [[GroupSpec(2, "ring", (0, 1))]], [4096, 5904], parts=[Part(0, 0), Part(0, 4096)])
 
@@ -111,6 +117,59 @@ def test_a_split_document_counts_whole_in_every_window_that_holds_a_part():
     assert cost.plan_time_ms(plan) == pytest.approx(sum(t[0] for t in times) + max(t[0] for t in times), rel=1e-12)
 
 
+def test_chains_of_split_documents_longer_than_the_pipeline_are_refused_and_held_in_memory():
+    cost = load_preset("sparsebalance-h200:qwen2.5-0.5b", pp=2)
+    act = 34 * 896 * 12 / 2**20
+    # document 0 in slots 0-1, document 1 in slots 1-2: one chain of 3 > pp = 2
+    plan = one_rank([[0], [1, 2], [3], [4]], [2048, 2048, 1024, 1024, 700],
+                    [Part(0, 0), Part(0, 2048), Part(1, 0), Part(1, 1024), Part(2, 0)])
+    assert cost.chains(plan) == [[0, 0, 0, 3]] and cost.longest_chain(plan) == 3
+    with pytest.raises(ValueError, match="link 3 micro-batches of one rank, more than pp=2"):
+        cost.plan_time_ms(plan)
+    with pytest.raises(ValueError, match="more than pp=2"):
+        cost.plan_memory_mb(plan)
+    # chains within pp: a window holds every micro-batch of the chains it touches
+    plan = one_rank([[0], [1, 2], [3], [4]], [2048, 2048, 1000, 3000, 500],
+                    [Part(0, 0), Part(0, 2048), Part(1, 0), Part(2, 0), Part(2, 3000)])
+    assert cost.chains(plan) == [[0, 0, 2, 2]]
+    # windows [0,1] -> slots 0-1 (4096 + 1000), [1,2] -> all four (4096 + 1000 + 3500), [2,3] -> 2-3 (3500)
+    assert cost.plan_memory_mb(plan) == pytest.approx(cost.stage_states_mb() + 8596 * act, rel=1e-12)
+    assert one_rank([[0], [1]], [100, 200], None) and cost.longest_chain(one_rank([[0], [1]], [100, 200], None)) == 1
+
+
+def random_batch(seed):
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    dp, mbs, n_mb = int(rng.integers(1, 4)), int(rng.integers(1, 3)), int(rng.integers(1, 7))
+    return dp, mbs, [int(x) for x in np.exp(rng.uniform(np.log(10), np.log(40000), dp * mbs * n_mb))]
+
+
+# a rank with less than a block of work per micro-batch: a document's next part once skipped one
+TINY = [(2, 1, [1024] + [30] * 15), (4, 1, [1000] * 2 + [10] * 30)]
+
+
+@pytest.mark.parametrize("dp,mbs,lengths", TINY + [random_batch(seed) for seed in range(12)])
+def test_split_layouts_are_valid_plans_on_any_batch(dp, mbs, lengths):
+    """Random batches, ranks and micro-batch counts, and tiny ones where a block costs more
+    than a micro-batch's share: the split layout is a valid plan whose parts tile every document
+    on block boundaries, and the planner returns a plan the cost model prices (chains within pp)."""
+    n_mb, gbs = len(lengths) // (dp * mbs), len(lengths)
+    cost = cost3b()
+    curves = synthetic_coverage(lengths, block=256, max_k=64, seed=gbs)
+    planner = JaxsbPipelinePlanner(cost, dp, mbs=mbs)
+    ranks, part_lengths, parts = planner.split_layout(lengths, [32] * gbs)
+    plan = build_plan(dp, [[GroupSpec(1, "local", tuple(ranks[r][m])) for r in range(dp)] for m in range(n_mb)],
+                      part_lengths, parts=parts)  # validates: consecutive, tiled, one device
+    assert plan.document_lengths() == tuple(lengths)
+    assert all(p.start % 256 == 0 for p in parts)
+    sol = planner.solve(lengths, coverage=curves)
+    assert sol.plan.document_lengths() == tuple(lengths)
+    assert cost.longest_chain(sol.plan) <= cost.pp
+    assert sol.info.lower_bound_ms <= cost.plan_time_ms(sol.plan) + 1e-9
+    assert cost.plan_memory_mb(sol.plan) <= cost.memory_limit_mb
+
+
 # ---------------------------------------------------------------------------- raise into idle
 
 
@@ -124,6 +183,21 @@ def test_raise_into_idle_spends_only_idle_time():
     assert cost.plan_time_ms(after) <= cost.plan_time_ms(plan) + 1e-9
     assert res.budgets[0] == 8  # the slowest cell is never raised
     assert res.budgets[1] > 8 and res.raised == 1  # the idle rank buys coverage
+
+
+def test_raise_into_idle_lets_a_later_part_see_its_document():
+    """The 2-block tail of an 8704-token document sees 34 key blocks: raising it (on the idle
+    rank) is capped by what it sees, not by its own 2 blocks."""
+    cost = cost3b()
+    plan = build_plan(2, [[GroupSpec(1, "local", (0,)), GroupSpec(1, "local", (2,))],
+                          [GroupSpec(1, "local", (1,)), GroupSpec(1, "local", (3,))]],
+                      [32768, 32768, 8192, 512], budgets=[32, 32, 4, 4],
+                      parts=[Part(0, 0), Part(1, 0), Part(2, 0), Part(2, 8192)])
+    curves = synthetic_coverage([32768, 32768, 8704], block=256, max_k=64, seed=3)
+    res = dst.raise_into_idle(cost, plan, [curves[plan.document_of(i)] for i in range(4)], max_blocks=64)
+    assert res.budgets[:2] == (32, 32)  # the busy rank is not raised
+    assert 4 < res.budgets[3] <= 34  # the tail passed its own 2 blocks, up to what it sees
+    assert cost.plan_time_ms(plan.with_budgets(res.budgets)) <= cost.plan_time_ms(plan) + 1e-9
 
 
 # ---------------------------------------------------------------------------- the planner
