@@ -187,7 +187,9 @@ class JaxsbPlanner(PlannerBase):
             tried.append(("batch-adaptive", "skipped: time limit"))
             stopped = True
         elif self.portfolio:
-            baseline = self._baseline(ctx, lengths, budgets)
+            baseline, degrees = self._baseline(ctx, lengths, budgets, beat=best.total())
+            if len(degrees) < len(self.lin.degrees):
+                tried.append(("batch-adaptive", f"degrees {degrees} only: the others cannot beat {best.total():.1f}"))
         if baseline is not None:
             tried.append(("batch-adaptive", round(baseline.total(), 1)))
             if baseline.total() < best.total() - 1e-9:
@@ -208,31 +210,46 @@ class JaxsbPlanner(PlannerBase):
             lower_bound_ms=bound, microbatches=len(specs), predicted_ms=plan.predicted_ms,
             time_limit_hit=stopped)
 
-    def _baseline(self, ctx: "_Context", lengths, budgets) -> _Packing | None:
-        """The batch-adaptive plan (best single degree, static.py) as a packing: a candidate, so
-        jaxsb is never worse than it; None if it is unavailable or uses other degrees."""
+    def _baseline(self, ctx: "_Context", lengths, budgets, beat: float = math.inf
+                  ) -> tuple[_Packing | None, list[int]]:
+        """The batch-adaptive plan (best single degree, static.py) as a packing, and the degrees
+        it tried: a candidate, so jaxsb is never worse than it; None if it is unavailable or uses
+        other degrees. Degrees
+        whose plans cannot come below `beat` (the best packing found) are not tried: a degree's
+        plan takes its per-group time once per micro-batch (at least as many micro-batches as
+        its N / d groups need for the sequences' memory) plus their time spread evenly over its
+        groups."""
+        def least(j: int, d: int) -> float:
+            groups = self.num_devices // d
+            mbs = max(1, math.ceil(sum(ctx.m[i][j] for i in range(ctx.n)) / (groups * ctx.cap[j]))) \
+                if ctx.cap[j] > 0 else math.inf
+            return mbs * ctx.bt[j] + sum(ctx.t[i][j] for i in range(ctx.n)) / groups
+
+        degrees = [d for j, d in enumerate(self.lin.degrees) if least(j, d) < beat]
+        if not degrees:
+            return None, degrees
         try:
-            plan = BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme, degrees=self.lin.degrees,
+            plan = BatchAdaptivePlanner(self.cost, self.num_devices, scheme=self.scheme, degrees=degrees,
                                         align=self.align, runnable=self.runnable).plan(lengths, budgets)
         except ValueError:  # PlanError included: no single degree fits
-            return None
+            return None, degrees
         index = {d: j for j, d in enumerate(self.lin.degrees)}
         groups = []
         for m, mb in enumerate(plan.template.microbatches):
             for g, grp in enumerate(mb.groups):
                 sharded, local = plan.sequences_of(m, g)
                 if local or grp.degree not in index:
-                    return None
+                    return None, degrees
                 j = index[grp.degree]
                 if sharded:
                     load = ctx.bt[j] + sum(ctx.t[i][j] for i in sharded)
                     mem = sum(ctx.m[i][j] for i in sharded)
                     if mem > ctx.cap[j] or not all(ctx.fit[i][j] for i in sharded):
-                        return None
+                        return None, degrees
                 else:
                     load, mem = ctx.bt[j], 0.0
                 groups.append([m, j, load, mem, list(sharded)])
-        return _Packing(len(plan.template.microbatches), groups, ctx.bt)
+        return _Packing(len(plan.template.microbatches), groups, ctx.bt), degrees
 
     def _specs(self, groups, lengths, budgets) -> list[GroupSpec]:
         specs = specs_from_groups(groups, self.lin, self.scheme)
@@ -604,7 +621,9 @@ class _Context:
 
     def _bisect(self, make_caps, lo: float, hi: float, steps: int, best, reuse: bool = False, pin=None):
         """Smallest feasible x in [lo, hi] for caps = make_caps(x) (hi assumed feasible or found by
-        growing it); returns the best packing seen (by its sum of spans) and the x reached."""
+        growing it), to within `tol` of the targets' sum (a heavy micro-batch's fixed target
+        counts: what is bisected is the step's time, not x alone); returns the best packing seen
+        (by its sum of spans) and the x reached."""
         found = None
         for _ in range(40):
             if best is not None and self.expired():
@@ -619,7 +638,7 @@ class _Context:
         if best is None or found.total() < best.total():
             best = found
         for _ in range(steps):
-            if hi - lo <= self.tol * hi or self.expired():
+            if (hi - lo) * len(make_caps(hi)) <= self.tol * sum(make_caps(hi)) or self.expired():
                 break
             mid = 0.5 * (lo + hi)
             pk = self.pack(make_caps(mid), reuse, pin)
