@@ -214,18 +214,9 @@ class JaxsbPlanner(PlannerBase):
                   ) -> tuple[_Packing | None, list[int]]:
         """The batch-adaptive plan (best single degree, static.py) as a packing, and the degrees
         it tried: a candidate, so jaxsb is never worse than it; None if it is unavailable or uses
-        other degrees. Degrees
-        whose plans cannot come below `beat` (the best packing found) are not tried: a degree's
-        plan takes its per-group time once per micro-batch (at least as many micro-batches as
-        its N / d groups need for the sequences' memory) plus their time spread evenly over its
-        groups."""
-        def least(j: int, d: int) -> float:
-            groups = self.num_devices // d
-            mbs = max(1, math.ceil(sum(ctx.m[i][j] for i in range(ctx.n)) / (groups * ctx.cap[j]))) \
-                if ctx.cap[j] > 0 else math.inf
-            return mbs * ctx.bt[j] + sum(ctx.t[i][j] for i in range(ctx.n)) / groups
-
-        degrees = [d for j, d in enumerate(self.lin.degrees) if least(j, d) < beat]
+        other degrees. Degrees whose plans cannot come below `beat` (the best packing found,
+        `_Context.least_single_degree`) are not tried."""
+        degrees = [d for j, d in enumerate(self.lin.degrees) if ctx.least_single_degree(j) < beat]
         if not degrees:
             return None, degrees
         try:
@@ -233,23 +224,7 @@ class JaxsbPlanner(PlannerBase):
                                         align=self.align, runnable=self.runnable).plan(lengths, budgets)
         except ValueError:  # PlanError included: no single degree fits
             return None, degrees
-        index = {d: j for j, d in enumerate(self.lin.degrees)}
-        groups = []
-        for m, mb in enumerate(plan.template.microbatches):
-            for g, grp in enumerate(mb.groups):
-                sharded, local = plan.sequences_of(m, g)
-                if local or grp.degree not in index:
-                    return None, degrees
-                j = index[grp.degree]
-                if sharded:
-                    load = ctx.bt[j] + sum(ctx.t[i][j] for i in sharded)
-                    mem = sum(ctx.m[i][j] for i in sharded)
-                    if mem > ctx.cap[j] or not all(ctx.fit[i][j] for i in sharded):
-                        return None, degrees
-                else:
-                    load, mem = ctx.bt[j], 0.0
-                groups.append([m, j, load, mem, list(sharded)])
-        return _Packing(len(plan.template.microbatches), groups, ctx.bt), degrees
+        return ctx.packing_of(plan), degrees
 
     def _specs(self, groups, lengths, budgets) -> list[GroupSpec]:
         specs = specs_from_groups(groups, self.lin, self.scheme)
@@ -393,6 +368,37 @@ class _Context:
         ordered = X[self.order]
         mins = np.minimum.accumulate(ordered[::-1], axis=0)[::-1]
         return np.vstack([mins[1:], np.full((1, X.shape[1]), np.inf)]).tolist()
+
+    def least_single_degree(self, j: int) -> float:
+        """A floor on the total of any packing whose groups all have degree index j: its
+        per-group time once per micro-batch (at least as many micro-batches as its N / d groups
+        need for the sequences' memory) plus their time spread evenly over the groups."""
+        groups = self.N // self.deg[j]
+        if self.cap[j] <= 0:
+            return math.inf
+        mbs = max(1, math.ceil(sum(self.m[i][j] for i in range(self.n)) / (groups * self.cap[j])))
+        return mbs * self.bt[j] + sum(self.t[i][j] for i in range(self.n)) / groups
+
+    def packing_of(self, plan) -> _Packing | None:
+        """A plan of whole-group sequences (no Skrull-local ones) as a packing under the additive
+        model; None when it uses a degree the tables lack or a group over their memory."""
+        index = {d: j for j, d in enumerate(self.deg)}
+        groups = []
+        for m, mb in enumerate(plan.template.microbatches):
+            for g, grp in enumerate(mb.groups):
+                sharded, local = plan.sequences_of(m, g)
+                if local or grp.degree not in index:
+                    return None
+                j = index[grp.degree]
+                if sharded:
+                    load = self.bt[j] + sum(self.t[i][j] for i in sharded)
+                    mem = sum(self.m[i][j] for i in sharded)
+                    if mem > self.cap[j] or not all(self.fit[i][j] for i in sharded):
+                        return None
+                else:
+                    load, mem = self.bt[j], 0.0
+                groups.append([m, j, load, mem, list(sharded)])
+        return _Packing(len(plan.template.microbatches), groups, self.bt)
 
     # ------------------------------------------------------------------------- packing
     def pack(self, caps: Sequence[float], reuse: bool = False, pin: tuple[int, int, int] | None = None

@@ -192,6 +192,34 @@ def test_jaxsb_beats_baselines_on_a_long_tail_batch():
         assert plan.predicted_ms <= other.plan(lengths).predicted_ms + 1e-6
 
 
+def test_jaxsb_single_degree_floor_is_below_every_static_plan():
+    """The floor that lets jaxsb skip batch-adaptive's hopeless degrees
+    (_Context.least_single_degree) is never above the additive total of the static plan of
+    that degree, on long-tail batches at 16 and 64 devices (memory-tight ones included)."""
+    from jaxsb.planner.joint import _Context
+    from jaxsb.planner.static import StaticPlanner
+
+    rng = np.random.default_rng(5)
+    checked = 0
+    for n, max_len in ((16, 64000), (64, 192000)):
+        cost = load_preset("flexsp-a100:gpt-7b", num_devices=n, max_len=max_len)
+        jx = JaxsbPlanner(cost, n)
+        for _ in range(4):
+            lengths = random_batch(rng, 8 * n, n, mean=1500, max_len=max_len // 2)
+            T, Mm = jx.lin.tables(lengths, None)
+            ctx = _Context(jx.lin, T, Mm, jx.lin.fits(Mm))
+            for j, d in enumerate(jx.lin.degrees):
+                try:
+                    plan = StaticPlanner(cost, n, degree=d).plan(lengths)
+                except PlanError:
+                    continue
+                pk = ctx.packing_of(plan)
+                if pk is not None:
+                    assert ctx.least_single_degree(j) <= pk.total() + 1e-9, (n, d)
+                    checked += 1
+    assert checked >= 20
+
+
 # ------------------------------------------------------------------------------ determinism
 
 
