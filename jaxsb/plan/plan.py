@@ -159,6 +159,10 @@ class Plan:
             return 0, self.lengths[i]
         return self.parts[i].start, self.document_lengths()[self.parts[i].document]
 
+    def parts_of(self, document: int) -> list[int]:
+        """The sequence ids of a document, in token order ([document] when nothing is split)."""
+        return [document] if self.parts is None else list(self._documents[1].get(document, ()))
+
     def document_lengths(self) -> tuple[int, ...]:
         """Per document of the batch its length (the plan's lengths when nothing is split)."""
         if self.parts is None:

@@ -353,12 +353,9 @@ def coverage_report(plan, curves, base: int) -> tuple[list[dict], dict]:
     the largest drop). A split document's parts each keep the document's curve: its record
     gives the parts' budgets weighted by their tokens, its largest part drop, and `parts`
     (start, length, budget, drop each)."""
-    parts: dict[int, list[int]] = {}
-    for i in range(len(plan.lengths)):
-        parts.setdefault(plan.document_of(i), []).append(i)
     records, ks, cov = [], [], []
     for d, n in enumerate(plan.document_lengths()):
-        ids = sorted(parts[d], key=lambda i: plan.span_of(i)[0])
+        ids = plan.parts_of(d)
         drops = [coverage_drop(curves[d], base, plan.budgets[i]) for i in ids]
         k = sum(plan.budgets[i] * plan.lengths[i] for i in ids) / n
         ks.append(k)

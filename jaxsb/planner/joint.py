@@ -471,16 +471,8 @@ class _Context:
                             break
                 if placed:
                     break
-            if not placed:
-                merged = self._merge_for(i, caps, groups, by_deg, doubled)
-                if merged is None:
-                    return None
-                a, b = merged  # a became the merged group, b was retired
-                rooms.drop(a)
-                rooms.drop(b)
-                rooms.add(a, groups[a][1], caps[groups[a][0]] - groups[a][2])
-                doubled.start(a, groups[a][0], groups[a][1], groups[a][4])
-                doubled.retire(b)
+            if not placed and self._merge_for(i, caps, groups, by_deg, doubled, rooms) is None:
+                return None
         if rest:
             if not single:
                 return None
@@ -540,13 +532,13 @@ class _Context:
                 G[4].append(i)
         return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
 
-    def _merge_for(self, i, caps, groups, by_deg, doubled: _Doubled) -> tuple[int, int] | None:
+    def _merge_for(self, i, caps, groups, by_deg, doubled: _Doubled, rooms: _Rooms) -> tuple[int, int] | None:
         """Makes room for sequence i when no group takes it and no devices are free: two groups
         of degree d in one micro-batch become one group of degree 2d (half the memory per device
         for their sequences) that also takes i. The merge leaving the most room under the
         micro-batch's target wins (the first micro-batch, in the order its groups joined the
         degree, of equal ones); returns (the merged group, the retired one), None if none fits.
-        `doubled`: each group's sequences at degree 2d."""
+        `doubled` (each group's sequences at degree 2d) and `rooms` follow the merge."""
         t, m, cap, fit, bt, deg = self.t, self.m, self.cap, self.fit, self.bt, self.deg
         best = None
         for j in range(self.nd - 1):
@@ -580,6 +572,11 @@ class _Context:
         groups[b][4] = []
         groups[b][2], groups[b][3] = bt[groups[b][1]], 0.0
         groups[b][0] = -1  # no longer on any device
+        rooms.drop(a)
+        rooms.drop(b)
+        rooms.add(a, k, caps[groups[a][0]] - load)
+        doubled.start(a, groups[a][0], k, groups[a][4])
+        doubled.retire(b)
         return a, b
 
     def _best_pair(self, ts: np.ndarray, ms: np.ndarray, need_t: float, need_m: float, mem_cap: float,

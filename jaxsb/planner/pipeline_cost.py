@@ -52,6 +52,8 @@ import dataclasses
 import functools
 from typing import Sequence
 
+from jaxsb.planner.cost import group_times_ms
+
 H200 = dict(peak_tflops=989.0, hbm_tbs=4.8, nvlink_gbs=450.0, memory_gb=141.0)
 
 # name -> (hidden, layers, heads, kv_heads, head_dim, intermediate)
@@ -204,20 +206,10 @@ class PipelineCost:
 
     def group_times_ms(self, plan) -> list[list[float]]:
         """times[m][r]: rank r's stage time for its m-th micro-batch."""
-        out = []
-        for m, mb in enumerate(plan.template.microbatches):
-            row = []
-            for g, group in enumerate(mb.groups):
-                sharded, local = plan.sequences_of(m, g)
-                ids = list(sharded) + [i for r in sorted(local) for i in local[r]]
-                ks = None if plan.budgets is None else [plan.budgets[i] for i in ids]
-                spans = None if plan.parts is None else [plan.span_of(i) for i in ids]
-                row.append(self.group_time_ms(group.degree, [plan.lengths[i] for i in ids], budgets=ks, spans=spans))
-            out.append(row)
-        return out
+        return group_times_ms(self, plan)
 
     def plan_time_ms(self, plan) -> float:
-        self._check_chains(plan)
+        self._checked_chains(plan)
         return self.combine_ms(self.group_times_ms(plan))
 
     @staticmethod
@@ -234,15 +226,20 @@ class PipelineCost:
             out.append(head)
         return out
 
-    def longest_chain(self, plan) -> int:
+    def longest_chain(self, plan, chains: list[list[int]] | None = None) -> int:
         """The most micro-batches of one rank linked by split documents (1 when nothing is split)."""
-        return max((sum(1 for h in head if h == x) for head in self.chains(plan) for x in set(head)), default=1)
+        chains = self.chains(plan) if chains is None else chains
+        return max((sum(1 for h in head if h == x) for head in chains for x in set(head)), default=1)
 
-    def _check_chains(self, plan) -> None:
-        if plan.parts is not None and self.longest_chain(plan) > self.pp:
-            raise ValueError(f"cost model {self.name}: split documents link {self.longest_chain(plan)} micro-batches "
+    def _checked_chains(self, plan) -> list[list[int]]:
+        """`chains(plan)`; ValueError for a chain longer than pp (the module docstring)."""
+        chains = self.chains(plan)
+        longest = self.longest_chain(plan, chains) if plan.parts is not None else 1
+        if longest > self.pp:
+            raise ValueError(f"cost model {self.name}: split documents link {longest} micro-batches "
                              f"of one rank, more than pp={self.pp}: the 1F1B formula and the in-flight memory "
                              "do not hold for such a Seq1F1B chain")
+        return chains
 
     def plan_memory_mb(self, plan) -> float:
         """Stage 0's peak per GPU: its states and the activations of the pp micro-batches in
@@ -251,12 +248,12 @@ class PipelineCost:
         micro-batch's backward waits for its documents' later parts, Seq1F1B's order), and a
         split document counts whole: its earlier parts' activations (keys and values too) stay
         until its later parts' backward."""
-        self._check_chains(plan)
+        chains = self._checked_chains(plan)
         n_mb = len(plan.template.microbatches)
         act = 34 * self.hidden * (self.layers // self.pp) / self.tp / 2**20
         docs = plan.document_lengths()
         peak = 0.0
-        for g, head in enumerate(self.chains(plan)):
+        for g, head in enumerate(chains):
             held = []  # per micro-batch: the documents it holds
             for m in range(n_mb):
                 sharded, local = plan.sequences_of(m, g)

@@ -283,10 +283,8 @@ def document_budgets(plan) -> list[int]:
     """Per document its budget: a split document's parts' budgets weighted by their tokens."""
     if plan.parts is None:
         return list(plan.budgets)
-    total = [0.0] * len(plan.document_lengths())
-    for i, part in enumerate(plan.parts):
-        total[part.document] += plan.budgets[i] * plan.lengths[i]
-    return [max(1, int(round(t / n))) for t, n in zip(total, plan.document_lengths())]
+    return [max(1, int(round(sum(plan.budgets[i] * plan.lengths[i] for i in plan.parts_of(d)) / n)))
+            for d, n in enumerate(plan.document_lengths())]
 
 
 def _mean_coverage(curves, plan) -> float:
