@@ -52,8 +52,6 @@ import dataclasses
 import functools
 from typing import Sequence
 
-from jaxsb.planner.cost import group_times_ms
-
 H200 = dict(peak_tflops=989.0, hbm_tbs=4.8, nvlink_gbs=450.0, memory_gb=141.0)
 
 # name -> (hidden, layers, heads, kv_heads, head_dim, intermediate)
@@ -205,8 +203,20 @@ class PipelineCost:
         return max(sum(t[r] for t in times) + (self.pp - 1) * max(t[r] for t in times) for r in range(ranks))
 
     def group_times_ms(self, plan) -> list[list[float]]:
-        """times[m][r]: rank r's stage time for its m-th micro-batch."""
-        return group_times_ms(self, plan)
+        """times[m][r]: rank r's stage time for its m-th micro-batch (jaxsb.planner.cost's
+        group_times_ms does the same for any cost model; this module cannot import it: cost.py
+        loads this one)."""
+        out = []
+        for m, mb in enumerate(plan.template.microbatches):
+            row = []
+            for g, group in enumerate(mb.groups):
+                sharded, local = plan.sequences_of(m, g)
+                ids = list(sharded) + [i for r in sorted(local) for i in local[r]]
+                ks = None if plan.budgets is None else [plan.budgets[i] for i in ids]
+                spans = None if plan.parts is None else [plan.span_of(i) for i in ids]
+                row.append(self.group_time_ms(group.degree, [plan.lengths[i] for i in ids], budgets=ks, spans=spans))
+            out.append(row)
+        return out
 
     def plan_time_ms(self, plan) -> float:
         self._checked_chains(plan)
