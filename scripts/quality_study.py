@@ -2,6 +2,7 @@
 
     .venv/bin/python scripts/quality_study.py [--lengths 1024,2048,4096,8192] [--samples 4]
         [--long-docs 2 --max-doc-tokens 8192] [--only NAME ...] [--out docs/quality]
+    .venv/bin/python scripts/quality_study.py --part mqar [--seeds 0,1,2] [--steps N] [--out docs/quality]
 
 Part "pretrained, sparse without retraining": SmolLM2-135M-Instruct (`--init`, default
 smollm2-135m) under every setting of SETTINGS — dense; sparse at fixed budgets (block size,
@@ -12,6 +13,18 @@ budget is the least that keeps coverage within p of dense) — each through `pyt
 run's summary), OUT/pretrained.md (the table) and OUT/pretrained.png (accuracy and perplexity vs
 attention work). Attention work is the prefill's (query block, key block) pairs as a fraction of
 dense causal, counted from the kernels' tables; the floor's base is `--floor-base` blocks.
+
+Part "mqar", small models trained here: `configs/mqar.toml` trained (`python -m jaxsb.train`, a
+process per run) under every setting of MQAR_SETTINGS — dense; sparse at fixed budgets
+(`--fixed`, the runtime floor off); sparse with per-document budgets tuned by the planner
+(`parallel.budgets=dst`, base budget `--base`, coverage threshold `--dst-drop`) — for every seed
+of `--seeds` (train.seed = data.seed = the seed, so a seed's settings see the same examples),
+then `python -m jaxsb.eval --task mqar` on each run under every evaluation attention of
+MQAR_EVALS. A run's training attention work is the block pairs its steps computed over dense
+causal's (summary.json's attention_fraction; dense: 1). A tuned run is compared with the fixed
+budgets of the same seed at its own work, interpolated between the two fixed budgets around it.
+Writes OUT/mqar.json (kept after every run; a rerun with the same settings skips the runs it
+holds), OUT/mqar.md and OUT/mqar.png.
 """
 
 from __future__ import annotations
@@ -19,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -42,15 +56,22 @@ def settings(floor_base: int) -> dict[str, list[str]]:
     }
 
 
-def run_eval(init: str, overrides: list[str], task_args: list[str]) -> dict:
-    """One `python -m jaxsb.eval` process; its --summary JSON."""
+def _sets(overrides: list[str]) -> list[str]:
+    return [a for o in overrides for a in ("--set", o)]
+
+
+def _check_run(cmd: list[str]) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+
+
+def run_eval(source: list[str], overrides: list[str], task_args: list[str]) -> dict:
+    """One `python -m jaxsb.eval` process on a model (`source`: --set model.init=... or
+    --workdir RUN); its --summary JSON."""
     with tempfile.TemporaryDirectory() as tmp:
         summary = os.path.join(tmp, "summary.json")
-        cmd = [sys.executable, "-m", "jaxsb.eval", "--set", f"model.init={init}",
-               *[a for o in overrides for a in ("--set", o)], *task_args, "--summary", summary]
-        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
-        if proc.returncode != 0:
-            raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
+        _check_run([sys.executable, "-m", "jaxsb.eval", *source, *_sets(overrides), *task_args, "--summary", summary])
         with open(summary) as f:
             return json.load(f)
 
@@ -97,6 +118,145 @@ def plot(results: dict[str, dict], path: str, title: str) -> None:
     fig.savefig(path, dpi=110)
 
 
+# ---- part "mqar": small models trained here ----
+
+def mqar_settings(fixed: list[int], base: int, drop: float) -> dict[str, list[str]]:
+    """{name: train --set overrides}: dense, fixed budgets (floor off), DST around a base budget."""
+    def sparse_at(k: int, p: float) -> list[str]:
+        return ["model.attention=sparse", f"model.sparse.top_k={k}", f"model.sparse.coverage_drop={p}"]
+
+    return {"dense": [], **{f"fixed k{k}": sparse_at(k, 1.0) for k in fixed},
+            f"dst k{base} p={drop}": sparse_at(base, drop) + ["parallel.budgets=dst"]}
+
+
+def mqar_evals(base: int) -> dict[str, list[str]]:
+    """{name: eval --set overrides}: every trained model under the same attentions, and its own."""
+    return {"dense": ["model.attention=xla", "parallel.budgets=fixed"],
+            f"sparse k{base}": ["model.attention=sparse", f"model.sparse.top_k={base}",
+                                "model.sparse.coverage_drop=1.0", "model.sparse.policy=fixed", "parallel.budgets=fixed"],
+            "own": []}
+
+
+def train_and_eval(args, seed: int, overrides: list[str], evals: dict[str, list[str]]) -> dict:
+    """One training run of the MQAR config and its evaluations; the workdir is removed after."""
+    workdir = tempfile.mkdtemp(prefix=f"mqar-s{seed}-", dir=args.runs_dir)
+    try:
+        train = ["--config", args.config, "--workdir", workdir, "--set", f"train.seed={seed}",
+                 "--set", f"data.seed={seed}", "--set", "train.progress=false", "--set", "train.report=false",
+                 *(["--set", f"train.steps={args.steps}", "--set", f"train.checkpoint_every={args.steps}"]
+                   if args.steps else []), *_sets(overrides + args.extra)]
+        _check_run([sys.executable, "-m", "jaxsb.train", *train])
+        with open(os.path.join(workdir, "summary.json")) as f:
+            summary = json.load(f)
+        task = ["--task", "mqar", "--samples", str(args.mqar_samples), "--batch-size", "16"]
+        return {"overrides": overrides, "final_loss": summary["final_loss"], "seconds": summary["seconds"],
+                "train_work": summary.get("attention_fraction", 1.0),
+                "sparse_blocks_mean": summary.get("plans", {}).get("sparse_blocks_mean"),
+                "eval": {name: run_eval(["--workdir", workdir], o, task) for name, o in evals.items()}}
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def fixed_at(runs: dict[str, dict], work: float, evaluation: str) -> tuple[float, str] | None:
+    """The fixed budgets' accuracy at `work`, linear between the two fixed runs whose training work
+    is around it (same seed); None when no two fixed runs bracket it."""
+    points = sorted((r["train_work"], r["eval"][evaluation]["accuracy"], n) for n, r in runs.items()
+                    if n.startswith("fixed"))
+    for (w0, a0, n0), (w1, a1, n1) in zip(points, points[1:]):
+        if w0 <= work <= w1:
+            t = (work - w0) / (w1 - w0) if w1 > w0 else 0.0
+            return a0 + t * (a1 - a0), f"{n0} .. {n1}"
+    return None
+
+
+def mqar_tables(results: dict, seeds: list[int], evals: list[str]) -> list[str]:
+    names = list(next(iter(results.values())).keys()) if results else []
+    head = ["setting", "training work", *(f"recall, {e} eval" for e in evals), "final loss"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for name in names:
+        runs = [results[str(s)][name] for s in seeds if name in results.get(str(s), {})]
+        if not runs:
+            continue
+        def cell(values, fmt="{:.3f}"):
+            return " / ".join(fmt.format(v) for v in values) + (f" (mean {fmt.format(sum(values) / len(values))})"
+                                                              if len(values) > 1 else "")
+        lines.append("| " + " | ".join([name, cell([r["train_work"] for r in runs]),
+                                         *(cell([r["eval"][e]["accuracy"] for r in runs]) for e in evals),
+                                         cell([r["final_loss"] for r in runs], "{:.3f}")]) + " |")
+    lines += ["", "Tuned budgets against the fixed budgets of the same seed at the same training work "
+              "(linear between the two fixed runs around it):", "",
+              "| seed | setting | evaluation | training work | recall | fixed at that work | difference |",
+              "|---|---|---|---|---|---|---|"]
+    for s in seeds:
+        runs = results.get(str(s), {})
+        for name, r in runs.items():
+            if not name.startswith("dst"):
+                continue
+            for e in evals:
+                ref = fixed_at(runs, r["train_work"], e)
+                acc = r["eval"][e]["accuracy"]
+                if ref is None:
+                    lines.append(f"| {s} | {name} | {e} | {r['train_work']:.3f} | {acc:.3f} | "
+                                 "no two fixed runs around it | - |")
+                else:
+                    lines.append(f"| {s} | {name} | {e} | {r['train_work']:.3f} | {acc:.3f} | "
+                                 f"{ref[0]:.3f} ({ref[1]}) | {acc - ref[0]:+.3f} |")
+    return lines
+
+
+def mqar_plot(results: dict, seeds: list[int], evals: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(evals), figsize=(5.2 * len(evals), 4.2), squeeze=False)
+    for ax, e in zip(axes[0], evals):
+        names = list(next(iter(results.values())).keys())
+        for i, name in enumerate(names):
+            pts = [(results[str(s)][name]["train_work"], results[str(s)][name]["eval"][e]["accuracy"])
+                   for s in seeds if name in results.get(str(s), {})]
+            ax.scatter([x for x, _ in pts], [y for _, y in pts], label=name, color=f"C{i}")
+        ax.set(xlabel="training attention work (fraction of dense causal block pairs)", ylabel="MQAR recall",
+               ylim=(-0.05, 1.05), xlim=(0, 1.05), title=f"MQAR, {e} evaluation ({len(seeds)} seeds)")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def mqar_study(args) -> int:
+    seeds = [int(x) for x in args.seeds.split(",")]
+    chosen = mqar_settings([int(k) for k in args.fixed.split(",")], args.base, args.dst_drop)
+    evals = mqar_evals(args.base)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "mqar.json")
+    same = {"config": args.config, "steps": args.steps, "samples": args.mqar_samples, "extra": args.extra,
+            "settings": chosen, "evals": evals}
+    results = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if {k: earlier.get(k) for k in same} == same:
+            results = earlier["results"]  # resume: the runs it holds are not run again
+    for seed in seeds:
+        for name, overrides in chosen.items():
+            if name in results.get(str(seed), {}):
+                continue
+            r = train_and_eval(args, seed, overrides, evals)
+            results.setdefault(str(seed), {})[name] = r
+            with open(path, "w") as f:
+                json.dump({**same, "seeds": seeds, "results": results}, f, indent=2)
+            print(f"seed {seed} {name}: training work {r['train_work']:.3f}, "
+                  + ", ".join(f"recall ({e}) {v['accuracy']:.3f}" for e, v in r["eval"].items()), flush=True)
+    lines = mqar_tables(results, seeds, list(evals))
+    with open(os.path.join(args.out, "mqar.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    mqar_plot(results, seeds, list(evals), os.path.join(args.out, "mqar.png"))
+    print("\n".join(lines))
+    return 0
+
+
 def _save(path: str, args, lengths: list[int], results: dict) -> None:
     with open(path, "w") as f:
         json.dump({"init": args.init, "lengths": lengths, "samples": args.samples, "seed": args.seed,
@@ -114,9 +274,22 @@ def main(argv=None) -> int:
     ap.add_argument("--floor-base", type=int, default=64, help="the floor's base budget (64 = dense at 8K)")
     ap.add_argument("--batch-size", type=int, default=4)
     ap.add_argument("--only", action="append", default=[], help="run only these settings (repeatable)")
-    ap.add_argument("--set", dest="extra", action="append", default=[], help="more eval overrides, every run")
+    ap.add_argument("--set", dest="extra", action="append", default=[],
+                    help="more overrides, every run (pretrained: eval; mqar: train)")
     ap.add_argument("--out", default="docs/quality")
+    ap.add_argument("--part", choices=["pretrained", "mqar"], default="pretrained")
+    mq = ap.add_argument_group("part mqar")
+    mq.add_argument("--config", default="mqar", help="the training config")
+    mq.add_argument("--seeds", default="0,1,2")
+    mq.add_argument("--steps", type=int, default=0, help="training steps (0 = the config's)")
+    mq.add_argument("--fixed", default="2,3", help="the fixed budgets (key blocks)")
+    mq.add_argument("--base", type=int, default=4, help="DST's base budget; also the common sparse evaluation's")
+    mq.add_argument("--dst-drop", type=float, default=0.3, help="DST's coverage threshold p")
+    mq.add_argument("--mqar-samples", type=int, default=64, help="evaluation examples per length")
+    mq.add_argument("--runs-dir", default=None, help="where the runs' workdirs are made (and removed)")
     args = ap.parse_args(argv)
+    if args.part == "mqar":
+        return mqar_study(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     chosen = settings(args.floor_base)
     unknown = [n for n in args.only if n not in chosen]
@@ -142,9 +315,10 @@ def main(argv=None) -> int:
         if args.only and name not in args.only:
             continue
         overrides = overrides + args.extra
-        r = {"overrides": overrides, "passkey": run_eval(args.init, overrides, passkey_args)}
+        model = ["--set", f"model.init={args.init}"]
+        r = {"overrides": overrides, "passkey": run_eval(model, overrides, passkey_args)}
         if args.long_docs:
-            r["perplexity"] = run_eval(args.init, overrides, ppl_args)
+            r["perplexity"] = run_eval(model, overrides, ppl_args)
         results[name] = r
         _save(results_path, args, lengths, results)  # after every setting: a long run keeps what it did
         print(f"{name}: passkey {r['passkey']['accuracy']:.3f} at work {r['passkey']['work']['attention_fraction']:.3f}"

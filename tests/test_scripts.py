@@ -104,6 +104,19 @@ def test_quality_study_writes_the_table_and_plot(tmp_path):
     assert {"pretrained.json", "pretrained.md", "pretrained.png"} <= set(os.listdir(tmp_path))
 
 
+def test_quality_study_mqar_part_trains_evaluates_and_compares(tmp_path):
+    out = _run("scripts/quality_study.py", "--part", "mqar", "--seeds", "0", "--steps", "3", "--mqar-samples", "2",
+               "--out", str(tmp_path), "--runs-dir", str(tmp_path))
+    for name in ("dense", "fixed k2", "fixed k3", "dst k4 p=0.3"):
+        assert f"| {name} | " in out, out
+    assert {"mqar.json", "mqar.md", "mqar.png"} <= set(os.listdir(tmp_path))
+    with open(tmp_path / "mqar.json") as f:
+        runs = json.load(f)["results"]["0"]
+    assert runs["dense"]["train_work"] == 1.0
+    assert 0 < runs["fixed k2"]["train_work"] < runs["fixed k3"]["train_work"] < 1.0  # measured, not assumed
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("mqar-s")]  # the run workdirs are removed
+
+
 def _dry_run(script: str, *args: str) -> list[str]:
     proc = subprocess.run(["bash", script, "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

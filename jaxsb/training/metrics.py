@@ -164,6 +164,7 @@ class PlanTally:
         self.budgets: list[float] = []  # mean key blocks selected per query block
         self.floor: dict[str, list[float]] = {"planned": [], "final": [], "overridden": []}  # the runtime floor
         self.drop_max: float | None = None  # the largest coverage drop of any document in the run (measured)
+        self.pairs = self.dense_pairs = 0.0  # attention block pairs computed / of dense causal, summed over steps
 
     def add(self, record: dict) -> None:
         if "plan" in record:
@@ -178,6 +179,9 @@ class PlanTally:
                 values.append(float(record[f"sparse_floor_{key}"]))
         if record.get("sparse_floor_drop_max") is not None:
             self.drop_max = max(self.drop_max or 0.0, float(record["sparse_floor_drop_max"]))
+        if record.get("dense_causal_pairs"):
+            self.pairs += float(record["executed_pairs_total"])
+            self.dense_pairs += float(record["dense_causal_pairs"])
 
     def as_dict(self) -> dict:
         out: dict[str, Any] = {"layouts": dict(self.layouts.most_common())}
@@ -192,12 +196,14 @@ class PlanTally:
         out |= {f"sparse_floor_{key}_mean": float(np.mean(v)) for key, v in self.floor.items() if v}
         if self.drop_max is not None:
             out["sparse_floor_drop_max"] = self.drop_max
+        if self.dense_pairs:
+            out["attention_fraction"] = self.pairs / self.dense_pairs
         return out
 
     def lines(self, shown: int = 6) -> list[str]:
-        """The summary's lines; none for a run without plans."""
+        """The summary's lines; for a run without plans, only its sparse attention work."""
         if not self.layouts:
-            return []
+            return self._work_lines()
         d, total = self.as_dict(), sum(self.layouts.values())
         top = ", ".join(f"{plan} x{n}" for plan, n in self.layouts.most_common(shown))
         more = len(self.layouts) - min(shown, len(self.layouts))
@@ -218,4 +224,10 @@ class PlanTally:
                 floor += (f"; no document lost more than {d['sparse_floor_drop_max']:.3f} of its coverage "
                           "against the base budget")
             out.append(f"sparse budgets: {d['sparse_blocks_mean']:.2f} key blocks per query block on average{floor}")
-        return out
+        return out + self._work_lines()
+
+    def _work_lines(self) -> list[str]:
+        if not self.dense_pairs:
+            return []
+        return [f"attention work: {self.pairs / self.dense_pairs:.4f} of dense causal block pairs over the run "
+                f"({self.pairs:,.0f} of {self.dense_pairs:,.0f}, summed over layers and kv heads)"]

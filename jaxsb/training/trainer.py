@@ -23,6 +23,7 @@ from jaxsb import mesh as mesh_lib
 from jaxsb.config import Config, ConfigError
 from jaxsb.data import DataIterator
 from jaxsb.devices import is_main_process
+from jaxsb.models.decode import dense_causal_pairs
 from jaxsb.training.checkpoint import Checkpointer, abstract_with_shardings
 from jaxsb.training.faults import PeerWatchdog, StepAgreement, StopRequest
 from jaxsb.training.metrics import MetricsWriter, PlanTally, Progress, peak_flops_per_device, useful_train_flops
@@ -179,6 +180,12 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
                 record["executed_pairs_max"] = float(pairs.max())
                 record["executed_pairs_mean"] = float(pairs.mean())
                 record["executed_imbalance"] = float(pairs.max() / pairs.mean()) if pairs.mean() > 0 else 1.0
+                # the step's attention work against dense causal attention over the same documents
+                dense = dense_causal_pairs(prepared.doc_lengths, model_cfg.sparse.block_size,
+                                           model_cfg.kv_heads, model_cfg.layers)
+                record["executed_pairs_total"] = float(pairs.sum())
+                record["dense_causal_pairs"] = dense
+                record["attention_fraction"] = float(pairs.sum()) / dense if dense else 1.0
             history = getattr(getattr(steps, "planner", None), "history", None)
             if history is not None and "coverage_bin_sums" in metrics:  # later steps plan from these curves
                 history.update(metrics["coverage_bin_sums"], metrics["coverage_bin_blocks"])
@@ -245,6 +252,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     if isinstance(steps, PlannedSteps):
         summary["plan_admissions"] = steps.budget.counts
         summary["plans"] = tally.as_dict()
+    if tally.dense_pairs:  # a sparse run: the attention it computed against dense causal
+        summary["attention_fraction"] = tally.pairs / tally.dense_pairs
     if main:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)

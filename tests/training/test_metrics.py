@@ -44,8 +44,9 @@ def test_plan_tally_counts_layouts_and_compares_steps_that_compiled_nothing():
         dict(plan="4,4", compiled_now=False, predicted_step_ms=100.0, measured_step_ms=400.0),
         dict(plan="4,4|1,1,1,1,1,1,1,1", compiled_now=False, predicted_step_ms=300.0, measured_step_ms=300.0,
              sparse_blocks=3.0, sparse_floor_planned=2.0, sparse_floor_final=3.0, sparse_floor_overridden=0.25,
-             sparse_floor_drop_max=0.0625),
-        dict(plan="4,4", compiled_now=True, sparse_floor_drop_max=0.09375),  # the run's largest drop
+             sparse_floor_drop_max=0.0625, executed_pairs_total=30.0, dense_causal_pairs=40.0),
+        dict(plan="4,4", compiled_now=True, sparse_floor_drop_max=0.09375,  # the run's largest drop
+             executed_pairs_total=10.0, dense_causal_pairs=60.0),
     ]
     records.insert(3, dict(plan="4,4", compiled_now=False, predicted_step_ms=None, measured_step_ms=900.0))
     for r in records:
@@ -62,3 +63,14 @@ def test_plan_tally_counts_layouts_and_compares_steps_that_compiled_nothing():
     assert "over the 4 steps that compiled nothing: mean 175 ms vs 262 ms (median measured / predicted 1.25)" in lines[1]
     assert "from 2.00 planned to 3.00 blocks, raising 25.0% of query blocks" in lines[2]
     assert "no document lost more than 0.094 of its coverage against the base budget" in lines[2]
+    assert d["attention_fraction"] == pytest.approx(0.4)  # pairs over steps: (30 + 10) / (40 + 60)
+    assert lines[3] == "attention work: 0.4000 of dense causal block pairs over the run (40 of 100, summed over layers and kv heads)"
+
+
+def test_plan_tally_of_a_rows_run_shows_only_its_attention_work():
+    from jaxsb.training.metrics import PlanTally
+
+    tally = PlanTally()
+    tally.add(dict(sparse_blocks=2.0, executed_pairs_total=12.0, dense_causal_pairs=16.0))
+    assert tally.lines() == ["attention work: 0.7500 of dense causal block pairs over the run "
+                             "(12 of 16, summed over layers and kv heads)"]

@@ -140,3 +140,31 @@ def test_sparse_training_plans_budgets_per_step(tmp_path, session_bpe, planner, 
     assert all(0 < r["planned_coverage_min"] <= r["planned_coverage_mean"] * (1 + rounding) and
                r["planned_coverage_mean"] <= 1 for r in later)
     assert any(r["budget_max"] != 2 or r["budget_min"] != 2 for r in later), "no budget was ever chosen"
+
+
+def test_sparse_attention_work_is_counted_against_dense_causal(tmp_path, session_bpe):
+    """A fixed budget k with the floor off: each document's query block i attends to min(i + 1, k)
+    key blocks and each padding block of the devices' buffers to itself, so the executed pairs are
+    that count over the step's plan, per layer and kv head; the recorded fraction divides it by
+    dense causal's i + 1 over the documents alone (padding counts against sparse, never for it)."""
+    k, block = 2, 16
+    _, records = _run(session_bpe, tmp_path, "work", "model.attention=sparse", f"model.sparse.block_size={block}",
+                      f"model.sparse.top_k={k}", "model.sparse.coverage_drop=1.0", "parallel.background_planning=false")
+    cfg = load_config("tiny")
+    per_doc = cfg.model.layers * cfg.model.kv_heads
+    with open(tmp_path / "work" / "plans.jsonl") as f:
+        plans = {p["step"]: p["plan"] for p in map(json.loads, f)}
+    for r in records:
+        plan = plans[r["step"]]
+        blocks = [-(-n // block) for n in plan["lengths"]]
+        buffers = sum(plan["num_devices"] * (mb["shard_len"] + mb["local_len"]) // block for mb in plan["microbatches"])
+        padding = buffers - sum(blocks)
+        assert padding >= 0 and sum(blocks) * block >= r["tokens"]
+        sparse = per_doc * (sum(min(i + 1, k) for nb in blocks for i in range(nb)) + padding)
+        dense = per_doc * sum(nb * (nb + 1) // 2 for nb in blocks)
+        assert (r["executed_pairs_total"], r["dense_causal_pairs"]) == (sparse, dense), r["step"]
+        assert r["attention_fraction"] == pytest.approx(sparse / dense)
+    with open(tmp_path / "work" / "summary.json") as f:
+        summary = json.load(f)
+    assert summary["attention_fraction"] == pytest.approx(
+        sum(r["executed_pairs_total"] for r in records) / sum(r["dense_causal_pairs"] for r in records))
