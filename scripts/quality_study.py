@@ -169,20 +169,27 @@ def fixed_at(runs: dict[str, dict], work: float, evaluation: str) -> tuple[float
     return None
 
 
+def _cell(values: list[float], fmt: str = "{:.3f}") -> str:
+    """Per-seed values, and their mean when there are several."""
+    mean = f" (mean {fmt.format(sum(values) / len(values))})" if len(values) > 1 else ""
+    return " / ".join(fmt.format(v) for v in values) + mean
+
+
+def _setting_names(results: dict) -> list[str]:
+    return list(next(iter(results.values())).keys()) if results else []
+
+
 def mqar_tables(results: dict, seeds: list[int], evals: list[str]) -> list[str]:
-    names = list(next(iter(results.values())).keys()) if results else []
+    names = _setting_names(results)
     head = ["setting", "training work", *(f"recall, {e} eval" for e in evals), "final loss"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for name in names:
         runs = [results[str(s)][name] for s in seeds if name in results.get(str(s), {})]
         if not runs:
             continue
-        def cell(values, fmt="{:.3f}"):
-            return " / ".join(fmt.format(v) for v in values) + (f" (mean {fmt.format(sum(values) / len(values))})"
-                                                              if len(values) > 1 else "")
-        lines.append("| " + " | ".join([name, cell([r["train_work"] for r in runs]),
-                                         *(cell([r["eval"][e]["accuracy"] for r in runs]) for e in evals),
-                                         cell([r["final_loss"] for r in runs], "{:.3f}")]) + " |")
+        lines.append("| " + " | ".join([name, _cell([r["train_work"] for r in runs]),
+                                         *(_cell([r["eval"][e]["accuracy"] for r in runs]) for e in evals),
+                                         _cell([r["final_loss"] for r in runs])]) + " |")
     lines += ["", "Tuned budgets against the fixed budgets of the same seed at the same training work "
               "(linear between the two fixed runs around it):", "",
               "| seed | setting | evaluation | training work | recall | fixed at that work | difference |",
@@ -211,8 +218,8 @@ def mqar_plot(results: dict, seeds: list[int], evals: list[str], path: str) -> N
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(evals), figsize=(5.2 * len(evals), 4.2), squeeze=False)
+    names = _setting_names(results)
     for ax, e in zip(axes[0], evals):
-        names = list(next(iter(results.values())).keys())
         for i, name in enumerate(names):
             pts = [(results[str(s)][name]["train_work"], results[str(s)][name]["eval"][e]["accuracy"])
                    for s in seeds if name in results.get(str(s), {})]

@@ -196,9 +196,14 @@ class PlanTally:
         out |= {f"sparse_floor_{key}_mean": float(np.mean(v)) for key, v in self.floor.items() if v}
         if self.drop_max is not None:
             out["sparse_floor_drop_max"] = self.drop_max
-        if self.dense_pairs:
-            out["attention_fraction"] = self.pairs / self.dense_pairs
+        if self.attention_fraction is not None:
+            out["attention_fraction"] = self.attention_fraction
         return out
+
+    @property
+    def attention_fraction(self) -> float | None:
+        """The run's attention block pairs over dense causal's; None for a run with no sparse steps."""
+        return self.pairs / self.dense_pairs if self.dense_pairs else None
 
     def lines(self, shown: int = 6) -> list[str]:
         """The summary's lines; for a run without plans, only its sparse attention work."""
@@ -227,7 +232,7 @@ class PlanTally:
         return out + self._work_lines()
 
     def _work_lines(self) -> list[str]:
-        if not self.dense_pairs:
+        if self.attention_fraction is None:
             return []
-        return [f"attention work: {self.pairs / self.dense_pairs:.4f} of dense causal block pairs over the run "
+        return [f"attention work: {self.attention_fraction:.4f} of dense causal block pairs over the run "
                 f"({self.pairs:,.0f} of {self.dense_pairs:,.0f}, summed over layers and kv heads)"]

@@ -183,9 +183,9 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
                 # the step's attention work against dense causal attention over the same documents
                 dense = dense_causal_pairs(prepared.doc_lengths, model_cfg.sparse.block_size,
                                            model_cfg.kv_heads, model_cfg.layers)
-                record["executed_pairs_total"] = float(pairs.sum())
+                record["executed_pairs_total"] = total = float(pairs.sum())
                 record["dense_causal_pairs"] = dense
-                record["attention_fraction"] = float(pairs.sum()) / dense if dense else 1.0
+                record["attention_fraction"] = total / dense if dense else 1.0
             history = getattr(getattr(steps, "planner", None), "history", None)
             if history is not None and "coverage_bin_sums" in metrics:  # later steps plan from these curves
                 history.update(metrics["coverage_bin_sums"], metrics["coverage_bin_blocks"])
@@ -252,8 +252,8 @@ def _train(cfg: Config, workdir: str, ckpt: Checkpointer, watchdog: PeerWatchdog
     if isinstance(steps, PlannedSteps):
         summary["plan_admissions"] = steps.budget.counts
         summary["plans"] = tally.as_dict()
-    if tally.dense_pairs:  # a sparse run: the attention it computed against dense causal
-        summary["attention_fraction"] = tally.pairs / tally.dense_pairs
+    if tally.attention_fraction is not None:  # a sparse run: the attention it computed against dense causal
+        summary["attention_fraction"] = tally.attention_fraction
     if main:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2)
