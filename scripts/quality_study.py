@@ -289,7 +289,7 @@ def main(argv=None) -> int:
     mq.add_argument("--config", default="mqar", help="the training config")
     mq.add_argument("--seeds", default="0,1,2")
     mq.add_argument("--steps", type=int, default=0, help="training steps (0 = the config's)")
-    mq.add_argument("--fixed", default="2,3", help="the fixed budgets (key blocks)")
+    mq.add_argument("--fixed", default="2,3,4", help="the fixed budgets (key blocks)")
     mq.add_argument("--base", type=int, default=4, help="DST's base budget; also the common sparse evaluation's")
     mq.add_argument("--dst-drop", type=float, default=0.3, help="DST's coverage threshold p")
     mq.add_argument("--mqar-samples", type=int, default=64, help="evaluation examples per length")

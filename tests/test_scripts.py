@@ -105,7 +105,7 @@ def test_quality_study_writes_the_table_and_plot(tmp_path):
 
 
 def test_quality_study_mqar_part_trains_evaluates_and_compares(tmp_path):
-    out = _run("scripts/quality_study.py", "--part", "mqar", "--seeds", "0", "--steps", "3", "--mqar-samples", "2",
+    out = _run("scripts/quality_study.py", "--part", "mqar", "--seeds", "0", "--steps", "3", "--fixed", "2,3", "--mqar-samples", "2",
                "--out", str(tmp_path), "--runs-dir", str(tmp_path))
     for name in ("dense", "fixed k2", "fixed k3", "dst k4 p=0.3"):
         assert f"| {name} | " in out, out

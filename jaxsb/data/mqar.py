@@ -26,15 +26,19 @@ def pairs_for(length: int, kv_fraction: float, vocab: int) -> int:
     return min(pairs, vocab // 2, length // 4)
 
 
-def example(rng: np.random.Generator, length: int, kv_fraction: float, vocab: int) -> tuple[np.ndarray, np.ndarray]:
-    """(tokens [length] int32, targets [length] bool): one MQAR example (module docstring);
-    targets[j] says token j is a recalled value, predicted from token j - 1 (its query key)."""
+def example(rng: np.random.Generator, length: int, kv_fraction: float, vocab: int,
+            pairs: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens [length] int32, targets [length] bool): one MQAR example (module docstring) of
+    `pairs` key-value pairs (default pairs_for(length, ...)); targets[j] says token j is a recalled
+    value, predicted from token j - 1 (its query key)."""
     if length < 4:
         raise ValueError(f"an MQAR example needs length >= 4, got {length}")
     if vocab < 4 or vocab % 2:
         raise ValueError(f"the MQAR vocabulary must be even and >= 4, got {vocab}")
     half = vocab // 2
-    pairs = pairs_for(length, kv_fraction, vocab)
+    pairs = pairs_for(length, kv_fraction, vocab) if pairs is None else pairs
+    if not 1 <= pairs <= min(half, length // 4):
+        raise ValueError(f"{pairs} pairs do not fit an MQAR example of {length} tokens and {vocab} ids")
     keys = rng.choice(half, size=pairs, replace=False)
     values = rng.integers(half, vocab, size=pairs)
     tokens = rng.integers(half, vocab, size=length)  # noise between the queries: never a key

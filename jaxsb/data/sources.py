@@ -396,12 +396,16 @@ class MqarSource(Source):
         return f"kind=mqar lengths={list(m.lengths)} kv_fraction={m.kv_fraction} vocab={m.vocab} ({len(self):,} examples)"
 
     def read(self, unit: int, stats: DataStats) -> Document | None:
-        from jaxsb.data.mqar import example
+        from jaxsb.data.mqar import example, pairs_for
 
         stats.add("records_read")
         m = self.cfg.mqar
         length = m.lengths[unit % len(m.lengths)]
-        tokens, targets = example(np.random.default_rng([self.cfg.seed, unit]), length - 1, m.kv_fraction, m.vocab)
+        # length - 1 tokens and the eos; the pairs of a `length`-token example, as the evaluation's
+        # (unless the one token less leaves no room for them)
+        pairs = min(pairs_for(length, m.kv_fraction, m.vocab), (length - 1) // 4)
+        tokens, targets = example(np.random.default_rng([self.cfg.seed, unit]), length - 1, m.kv_fraction, m.vocab,
+                                  pairs)
         return Document(origin=f"mqar[{unit}]", ids=tokens, targets=targets)
 
 
