@@ -205,6 +205,7 @@ class DataConfig:
     # save_to_disk directory (datasets: Hugging Face datasets), .npy/.npz (tokens)
     path: str = ""
     extensions: tuple[str, ...] = (".py",)  # files read by kind=stdlib|text ("*" = all)
+    holdout_largest: int = 0  # kind=stdlib|text: the N largest files are not trained on (eval --long-docs N)
     text_field: str = "text"  # kind=jsonl, and parquet / datasets with record=text
     record: str = "text"  # kind=parquet|datasets: a row's text_field column | chat: its 'messages'
     split: str = "train"  # kind=datasets: the split of a saved DatasetDict
@@ -240,6 +241,9 @@ class DataConfig:
                f"must be >= data.max_len={self.max_len}, got {self.tokens_per_step}")
         _check(self.rows_per_device >= 1, f"{prefix}.rows_per_device", "must be >= 1")
         _check(len(self.extensions) > 0, f"{prefix}.extensions", "must list at least one suffix or '*'")
+        _check(self.holdout_largest >= 0, f"{prefix}.holdout_largest", f"must be >= 0, got {self.holdout_largest}")
+        _check(self.holdout_largest == 0 or self.kind in ("stdlib", "text"), f"{prefix}.holdout_largest",
+               f"holds out files of data.kind=stdlib|text only, not data.kind={self.kind}")
 
 
 @dataclasses.dataclass(frozen=True)

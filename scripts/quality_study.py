@@ -3,6 +3,7 @@
     .venv/bin/python scripts/quality_study.py [--lengths 1024,2048,4096,8192] [--samples 4]
         [--long-docs 2 --max-doc-tokens 8192] [--only NAME ...] [--out docs/quality]
     .venv/bin/python scripts/quality_study.py --part mqar [--seeds 0,1,2] [--steps N] [--out docs/quality]
+    .venv/bin/python scripts/quality_study.py --part finetune [--ft-steps 24] [--out docs/quality]
 
 Part "pretrained, sparse without retraining": SmolLM2-135M-Instruct (`--init`, default
 smollm2-135m) under every setting of SETTINGS — dense; sparse at fixed budgets (block size,
@@ -25,6 +26,17 @@ causal's (summary.json's attention_fraction; dense: 1). A tuned run is compared 
 budgets of the same seed at its own work, interpolated between the two fixed budgets around it.
 Writes OUT/mqar.json (kept after every run; a rerun with the same settings skips the runs it
 holds), OUT/mqar.md and OUT/mqar.png.
+
+Part "finetune", continued training of the pretrained model with sparse attention (MoBA's
+recipe, shortened to what 2 cores do in an hour): `--ft-config` (configs/smollm2_finetune.toml:
+SmolLM2 on the standard library's source, the `--long-docs` files the perplexity scores held out
+by data.holdout_largest) trained `--ft-steps` steps with sparse attention in `--ft-block`-token
+blocks, on `--ft-devices` simulated devices, twice: first with budgets tuned by the planner (DST
+around `--base` at p = `--dst-drop`), then at the fixed budget of the same mean cost (the tuned
+run's mean budget, rounded). The pretrained model and both fine-tuned ones are evaluated dense
+and sparse at the base budget: passkey at `--ft-lengths`, long-document perplexity. Writes
+OUT/finetune.json (a rerun with the same settings skips the models it holds), OUT/finetune.md
+and OUT/finetune.png.
 """
 
 from __future__ import annotations
@@ -60,8 +72,12 @@ def _sets(overrides: list[str]) -> list[str]:
     return [a for o in overrides for a in ("--set", o)]
 
 
-def _check_run(cmd: list[str]) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+def _check_run(cmd: list[str], devices: int = 0) -> None:
+    """Runs `cmd` in the repository; `devices` > 0 simulates that many CPU devices (XLA_FLAGS)."""
+    env = dict(os.environ)
+    if devices:
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}".strip()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
         raise SystemExit(f"{' '.join(cmd)} exited {proc.returncode}:\n{proc.stderr[-3000:]}")
 
@@ -74,6 +90,32 @@ def run_eval(source: list[str], overrides: list[str], task_args: list[str]) -> d
         _check_run([sys.executable, "-m", "jaxsb.eval", *source, *_sets(overrides), *task_args, "--summary", summary])
         with open(summary) as f:
             return json.load(f)
+
+
+def train(config: str, workdir: str, overrides: list[str], steps: int = 0, devices: int = 0) -> dict:
+    """One `python -m jaxsb.train` process (`steps` > 0 replaces the config's, with one checkpoint
+    at the end); its summary.json, with the run's training attention work (dense: 1)."""
+    cmd = [sys.executable, "-m", "jaxsb.train", "--config", config, "--workdir", workdir,
+           "--set", "train.progress=false", "--set", "train.report=false",
+           *(["--set", f"train.steps={steps}", "--set", f"train.checkpoint_every={steps}"] if steps else []),
+           *_sets(overrides)]
+    _check_run(cmd, devices)
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    return {"final_loss": summary["final_loss"], "seconds": summary["seconds"],
+            "train_work": summary.get("attention_fraction", 1.0),
+            "sparse_blocks_mean": summary.get("plans", {}).get("sparse_blocks_mean")}
+
+
+def evaluate(source: list[str], overrides: list[str], args, lengths: str) -> dict:
+    """Passkey at `lengths` and, with --long-docs, long-document perplexity: {passkey, perplexity}."""
+    r = {"passkey": run_eval(source, overrides, ["--task", "passkey", "--lengths", lengths, "--samples",
+                                                 str(args.samples), "--seed", str(args.seed),
+                                                 "--batch-size", str(args.batch_size)])}
+    if args.long_docs:
+        r["perplexity"] = run_eval(source, overrides, ["--long-docs", str(args.long_docs),
+                                                       "--max-doc-tokens", str(args.max_doc_tokens)])
+    return r
 
 
 def table(results: dict[str, dict], lengths: list[int]) -> list[str]:
@@ -99,15 +141,14 @@ def plot(results: dict[str, dict], path: str, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, r in results.items():
-        x, y = r["passkey"]["work"]["attention_fraction"], r["passkey"]["accuracy"]
-        ax1.scatter(x, y)
-        ax1.annotate(name, (x, y), fontsize=8, xytext=(4, 4), textcoords="offset points")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.6))
+    markers = "osD^vP*X"  # settings at the same point stay visible: a legend, not labels on the points
+    for i, (name, r) in enumerate(results.items()):
+        style = dict(color=f"C{i}", marker=markers[i % len(markers)], s=60 - 5 * i, label=name)
+        ax1.scatter(r["passkey"]["work"]["attention_fraction"], r["passkey"]["accuracy"], **style)
         if r.get("perplexity"):
-            x2, y2 = r["perplexity"]["work"]["attention_fraction"], r["perplexity"]["perplexity"]
-            ax2.scatter(x2, y2)
-            ax2.annotate(name, (x2, y2), fontsize=8, xytext=(4, 4), textcoords="offset points")
+            ax2.scatter(r["perplexity"]["work"]["attention_fraction"], r["perplexity"]["perplexity"], **style)
+    ax1.legend(fontsize=7, loc="lower right")
     ax1.set(xlabel="attention work (fraction of dense causal block pairs)", ylabel="passkey accuracy",
             ylim=(-0.05, 1.05), xlim=(0, 1.05), title=f"{title}: passkey")
     ax2.set(xlabel="attention work (fraction of dense causal block pairs)", ylabel="perplexity",
@@ -141,17 +182,10 @@ def train_and_eval(args, seed: int, overrides: list[str], evals: dict[str, list[
     """One training run of the MQAR config and its evaluations; the workdir is removed after."""
     workdir = tempfile.mkdtemp(prefix=f"mqar-s{seed}-", dir=args.runs_dir)
     try:
-        train = ["--config", args.config, "--workdir", workdir, "--set", f"train.seed={seed}",
-                 "--set", f"data.seed={seed}", "--set", "train.progress=false", "--set", "train.report=false",
-                 *(["--set", f"train.steps={args.steps}", "--set", f"train.checkpoint_every={args.steps}"]
-                   if args.steps else []), *_sets(overrides + args.extra)]
-        _check_run([sys.executable, "-m", "jaxsb.train", *train])
-        with open(os.path.join(workdir, "summary.json")) as f:
-            summary = json.load(f)
+        run = train(args.config, workdir, [f"train.seed={seed}", f"data.seed={seed}", *overrides, *args.extra],
+                    args.steps)
         task = ["--task", "mqar", "--samples", str(args.mqar_samples), "--batch-size", "16"]
-        return {"overrides": overrides, "final_loss": summary["final_loss"], "seconds": summary["seconds"],
-                "train_work": summary.get("attention_fraction", 1.0),
-                "sparse_blocks_mean": summary.get("plans", {}).get("sparse_blocks_mean"),
+        return {"overrides": overrides, **run,
                 "eval": {name: run_eval(["--workdir", workdir], o, task) for name, o in evals.items()}}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -264,6 +298,107 @@ def mqar_study(args) -> int:
     return 0
 
 
+# ---- part "finetune": continued training of the pretrained model with sparse attention ----
+
+PRETRAINED = "pretrained (not trained)"
+
+
+def finetune_overrides(args) -> list[str]:
+    """The fine-tune's training overrides every run shares: the model, the length and batch, the
+    held-out evaluation documents, sparse attention at block size --ft-block."""
+    L, B = args.ft_max_len, args.ft_block
+    buckets = sorted({max(B, L // 4), max(B, L // 2), L})
+    return [f"model.init={args.init}", f"data.max_len={L}", f"data.tokens_per_step={args.ft_tokens}",
+            f"data.row_buckets=[{','.join(map(str, buckets))}]", f"data.holdout_largest={args.long_docs}",
+            "model.attention=sparse", f"model.sparse.block_size={B}",
+            f"model.sparse.max_blocks={max_blocks(args)}", *args.extra]
+
+
+def finetune_evals(args) -> dict[str, list[str]]:
+    """{name: eval --set overrides}: every model dense and at the base budget (floor off)."""
+    return {"dense": ["model.attention=xla", "parallel.budgets=fixed"],
+            f"sparse b{args.ft_block} k{args.base}": sparse(args.ft_block, args.base) + ["parallel.budgets=fixed"]}
+
+
+def max_blocks(args) -> int:
+    """The fine-tune's static bound on budgets: twice the base, at most a training row's blocks."""
+    return min(2 * args.base, args.ft_max_len // args.ft_block)
+
+
+def equal_work_budget(dst_run: dict, bound: int) -> int:
+    """The fixed budget of the same mean cost as the tuned run: its mean budget, rounded, in [1, bound]."""
+    return max(1, min(bound, round(dst_run["sparse_blocks_mean"])))
+
+
+def finetune_study(args) -> int:
+    lengths = args.ft_lengths
+    evals = finetune_evals(args)
+    common = finetune_overrides(args)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "finetune.json")
+    same = {"config": args.ft_config, "steps": args.ft_steps, "devices": args.ft_devices, "common": common,
+            "base": args.base, "drop": args.dst_drop, "lengths": lengths, "samples": args.samples,
+            "seed": args.seed, "long_docs": args.long_docs, "max_doc_tokens": args.max_doc_tokens, "evals": evals}
+    models = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            earlier = json.load(f)
+        if {k: earlier.get(k) for k in same} == same:
+            models = earlier["models"]  # resume: the models it holds are not trained or evaluated again
+
+    def keep(name: str, model: dict) -> None:
+        models[name] = model
+        with open(path, "w") as f:
+            json.dump({**same, "models": models}, f, indent=2)
+        print(f"{name}: " + ("" if model["train"] is None else
+                             f"training work {model['train']['train_work']:.3f}, loss {model['train']['final_loss']:.3f}; ")
+              + "; ".join(f"{e}: passkey {v['passkey']['accuracy']:.3f}"
+                          + (f", perplexity {v['perplexity']['perplexity']:.3f}" if "perplexity" in v else "")
+                          for e, v in model["eval"].items()), flush=True)
+
+    def fine_tune(name: str, overrides: list[str]) -> dict:
+        workdir = tempfile.mkdtemp(prefix="finetune-", dir=args.runs_dir)
+        try:
+            run = train(args.ft_config, workdir, common + overrides, args.ft_steps, args.ft_devices)
+            return {"overrides": overrides, "train": run,
+                    "eval": {e: evaluate(["--workdir", workdir], o, args, lengths) for e, o in evals.items()}}
+        finally:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    if PRETRAINED not in models:
+        keep(PRETRAINED, {"overrides": [], "train": None,
+                          "eval": {e: evaluate(["--set", f"model.init={args.init}"], o, args, lengths)
+                                   for e, o in evals.items()}})
+    tuned = f"dst k{args.base} p={args.dst_drop}"
+    if tuned not in models:
+        keep(tuned, fine_tune(tuned, [f"model.sparse.top_k={args.base}", f"model.sparse.coverage_drop={args.dst_drop}",
+                                      "parallel.budgets=dst"]))
+    k = equal_work_budget(models[tuned]["train"], max_blocks(args))
+    fixed = f"fixed k{k}"
+    if fixed not in models:
+        keep(fixed, fine_tune(fixed, [f"model.sparse.top_k={k}", "model.sparse.coverage_drop=1.0"]))
+    lines = finetune_tables({n: models[n] for n in (PRETRAINED, tuned, fixed)}, [int(x) for x in lengths.split(",")])
+    with open(os.path.join(args.out, "finetune.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
+    flat = {f"{n}, {e} eval": v for n, m in models.items() if n in (PRETRAINED, tuned, fixed) for e, v in m["eval"].items()}
+    plot(flat, os.path.join(args.out, "finetune.png"), f"{args.init} fine-tuned")
+    print("\n".join(lines))
+    return 0
+
+
+def finetune_tables(models: dict[str, dict], lengths: list[int]) -> list[str]:
+    """The training runs (work, budgets, loss, time), then every model under every evaluation."""
+    lines = ["| model | training work | mean budget (key blocks) | final loss | training seconds |",
+             "|---|---|---|---|---|"]
+    for name, m in models.items():
+        t = m["train"]
+        lines.append(f"| {name} | - | - | - | - |" if t is None else
+                     f"| {name} | {t['train_work']:.3f} | {t['sparse_blocks_mean']:.2f} | {t['final_loss']:.3f} | "
+                     f"{t['seconds']:.0f} |")
+    flat = {f"{n}, {e} eval": v for n, m in models.items() for e, v in m["eval"].items()}
+    return lines + [""] + table(flat, lengths)
+
+
 def _save(path: str, args, lengths: list[int], results: dict) -> None:
     with open(path, "w") as f:
         json.dump({"init": args.init, "lengths": lengths, "samples": args.samples, "seed": args.seed,
@@ -284,19 +419,30 @@ def main(argv=None) -> int:
     ap.add_argument("--set", dest="extra", action="append", default=[],
                     help="more overrides, every run (pretrained: eval; mqar: train)")
     ap.add_argument("--out", default="docs/quality")
-    ap.add_argument("--part", choices=["pretrained", "mqar"], default="pretrained")
-    mq = ap.add_argument_group("part mqar")
+    ap.add_argument("--part", choices=["pretrained", "mqar", "finetune"], default="pretrained")
+    mq = ap.add_argument_group("parts mqar and finetune")
     mq.add_argument("--config", default="mqar", help="the training config")
     mq.add_argument("--seeds", default="0,1,2")
     mq.add_argument("--steps", type=int, default=0, help="training steps (0 = the config's)")
     mq.add_argument("--fixed", default="2,3,4", help="the fixed budgets (key blocks)")
     mq.add_argument("--base", type=int, default=4, help="DST's base budget; also the common sparse evaluation's")
+    mq.add_argument("--runs-dir", default=None, help="where the runs' workdirs are made (and removed)")
     mq.add_argument("--dst-drop", type=float, default=0.3, help="DST's coverage threshold p")
     mq.add_argument("--mqar-samples", type=int, default=64, help="evaluation examples per length")
-    mq.add_argument("--runs-dir", default=None, help="where the runs' workdirs are made (and removed)")
+    ft = ap.add_argument_group("part finetune (also --init, --samples, --seed, --long-docs, --max-doc-tokens, --set)")
+    ft.add_argument("--ft-config", default="smollm2_finetune", help="the fine-tune's training config")
+    ft.add_argument("--ft-steps", type=int, default=24, help="fine-tuning steps per run")
+    ft.add_argument("--ft-max-len", type=int, default=2048, help="training documents' longest piece (data.max_len)")
+    ft.add_argument("--ft-tokens", type=int, default=4096, help="tokens per step (data.tokens_per_step)")
+    ft.add_argument("--ft-block", type=int, default=128, help="sparse block size (model.sparse.block_size)")
+    ft.add_argument("--ft-devices", type=int, default=2,
+                    help="simulated CPU devices of the training runs (8 do not fit SmolLM2 at 2K in 24 GiB)")
+    ft.add_argument("--ft-lengths", default="1024,2048", help="passkey lengths of the fine-tune's evaluations")
     args = ap.parse_args(argv)
     if args.part == "mqar":
         return mqar_study(args)
+    if args.part == "finetune":
+        return finetune_study(args)
     lengths = [int(x) for x in args.lengths.split(",")]
     chosen = settings(args.floor_base)
     unknown = [n for n in args.only if n not in chosen]
@@ -315,17 +461,11 @@ def main(argv=None) -> int:
             raise SystemExit(f"{results_path} was made with other settings {differ} (saved, asked): "
                              "use another --out or the same settings")
         results = earlier["results"]
-    passkey_args = ["--task", "passkey", "--lengths", args.lengths, "--samples", str(args.samples),
-                    "--seed", str(args.seed), "--batch-size", str(args.batch_size)]
-    ppl_args = ["--long-docs", str(args.long_docs), "--max-doc-tokens", str(args.max_doc_tokens)]
     for name, overrides in chosen.items():
         if args.only and name not in args.only:
             continue
         overrides = overrides + args.extra
-        model = ["--set", f"model.init={args.init}"]
-        r = {"overrides": overrides, "passkey": run_eval(model, overrides, passkey_args)}
-        if args.long_docs:
-            r["perplexity"] = run_eval(model, overrides, ppl_args)
+        r = {"overrides": overrides, **evaluate(["--set", f"model.init={args.init}"], overrides, args, args.lengths)}
         results[name] = r
         _save(results_path, args, lengths, results)  # after every setting: a long run keeps what it did
         print(f"{name}: passkey {r['passkey']['accuracy']:.3f} at work {r['passkey']['work']['attention_fraction']:.3f}"

@@ -117,6 +117,25 @@ def test_quality_study_mqar_part_trains_evaluates_and_compares(tmp_path):
     assert not [p for p in os.listdir(tmp_path) if p.startswith("mqar-s")]  # the run workdirs are removed
 
 
+def test_quality_study_finetune_part_trains_tuned_then_fixed_at_its_budget(tmp_path):
+    fixture = os.path.join(REPO, "tests", "models", "hf_fixtures", "llama-hf5")
+    out = _run("scripts/quality_study.py", "--part", "finetune", "--init", f"hf:{fixture}", "--ft-max-len", "512",
+               "--ft-tokens", "1024", "--ft-block", "64", "--base", "2", "--ft-steps", "2", "--ft-lengths", "512",
+               "--samples", "1", "--long-docs", "0", "--out", str(tmp_path), "--runs-dir", str(tmp_path))
+    with open(tmp_path / "finetune.json") as f:
+        saved = json.load(f)
+    models = saved["models"]
+    tuned = models["dst k2 p=0.3"]["train"]
+    fixed = f"fixed k{max(1, min(4, round(tuned['sparse_blocks_mean'])))}"  # the tuned run's mean budget
+    assert set(models) == {"pretrained (not trained)", "dst k2 p=0.3", fixed}, models.keys()
+    assert 0 < tuned["train_work"] < 1 and 0 < models[fixed]["train"]["train_work"] < 1  # measured sparse work
+    for name in models:
+        assert f"| {name}, dense eval | " in out and f"| {name}, sparse b64 k2 eval | " in out, out
+    assert "data.holdout_largest=0" in saved["common"]
+    assert {"finetune.json", "finetune.md", "finetune.png"} <= set(os.listdir(tmp_path))
+    assert not [p for p in os.listdir(tmp_path) if p.startswith("finetune-")]  # the run workdirs are removed
+
+
 def _dry_run(script: str, *args: str) -> list[str]:
     proc = subprocess.run(["bash", script, "--dry-run", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr

@@ -129,6 +129,11 @@ def walk_files(root: str, extensions: tuple[str, ...], exclude: frozenset[str] =
     return sorted(found)
 
 
+def largest_files(files: list[str], n: int) -> list[str]:
+    """The n largest of `files` by byte size, largest first (ties: by path)."""
+    return sorted(files, key=lambda p: (-os.path.getsize(p), p))[:n]
+
+
 class FileTreeSource(Source):
     """One document per file (kind=text: a directory or file; kind=stdlib: Python's stdlib)."""
 
@@ -144,12 +149,20 @@ class FileTreeSource(Source):
             raise DataError(
                 f"{root}: no files ending in {', '.join(cfg.extensions)} found "
                 f"(data.kind={kind}; change data.extensions, '*' reads every file)")
+        # held out for evaluation (e.g. eval --long-docs N on the same tree): never trained on
+        self.held_out = largest_files(self.files, cfg.holdout_largest) if cfg.holdout_largest else []
+        if len(self.held_out) >= len(self.files):
+            raise DataError(f"{root}: data.holdout_largest={cfg.holdout_largest} leaves none of its "
+                            f"{len(self.files)} files to train on")
+        held = set(self.held_out)
+        self.files = [f for f in self.files if f not in held]
 
     def __len__(self) -> int:
         return len(self.files)
 
     def describe(self) -> str:
-        return f"kind={self.kind} path={self.root} ({len(self):,} files)"
+        held = f"; the {len(self.held_out)} largest held out" if self.held_out else ""
+        return f"kind={self.kind} path={self.root} ({len(self):,} files{held})"
 
     def looked_for(self) -> str:
         return f"{self.root}: files ending in {', '.join(self.cfg.extensions)} ({len(self):,} found)"

@@ -1,14 +1,13 @@
 """Long real documents for length evaluations: the largest .py files of Python's standard library.
 
 The file list is the one the training data's kind=stdlib source reads (jaxsb.data.sources), so
-evaluation documents come from the same tree, with the same directories left out.
+evaluation documents come from the same tree, with the same directories left out; a training
+run with `data.holdout_largest=N` leaves out exactly the files `--long-docs N` scores.
 """
 
 from __future__ import annotations
 
-import os
-
-from jaxsb.data.sources import EXCLUDED_DIRS, walk_files, stdlib_root
+from jaxsb.data.sources import EXCLUDED_DIRS, largest_files, stdlib_root, walk_files
 
 
 def longest_stdlib_files(n: int) -> list[str]:
@@ -19,4 +18,4 @@ def longest_stdlib_files(n: int) -> list[str]:
     files = walk_files(root, (".py",), EXCLUDED_DIRS)
     if len(files) < n:
         raise ValueError(f"longest_stdlib_files: asked for {n} files, {root} holds only {len(files)} .py files")
-    return sorted(files, key=lambda p: (-os.path.getsize(p), p))[:n]
+    return largest_files(files, n)

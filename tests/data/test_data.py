@@ -216,6 +216,26 @@ def test_text_source_reads_tree_with_extension_filter(tmp_path):
     assert len(open_source(small_cfg(kind="text", path=str(tmp_path), extensions=("*",)))) == 7
 
 
+def test_holdout_largest_leaves_out_exactly_the_long_docs_evaluation_files(tmp_path):
+    from jaxsb.evals.long_docs import longest_stdlib_files
+    from jaxsb.config import ConfigError
+
+    full, held = open_source(small_cfg(kind="stdlib")), open_source(small_cfg(kind="stdlib", holdout_largest=2))
+    evaluated = longest_stdlib_files(2)
+    assert held.held_out == evaluated and len(held) == len(full) - 2
+    assert set(full.files) - set(held.files) == set(evaluated) and "the 2 largest held out" in held.describe()
+    for i, name in enumerate(["a", "b", "c"]):  # text trees too; ties by path
+        (tmp_path / f"{name}.txt").write_text("x" * (10 if name == "a" else 5))
+    tree = open_source(small_cfg(kind="text", path=str(tmp_path), extensions=(".txt",), holdout_largest=2))
+    assert [os.path.basename(f) for f in tree.files] == ["c.txt"]
+    with pytest.raises(DataError, match="holdout_largest=3 leaves none of its 3 files"):
+        open_source(small_cfg(kind="text", path=str(tmp_path), extensions=(".txt",), holdout_largest=3))
+    with pytest.raises(ConfigError, match="data.holdout_largest"):
+        DataConfig(kind="jsonl", path="x.jsonl", holdout_largest=1).validate()
+    with pytest.raises(ConfigError, match="data.holdout_largest"):
+        DataConfig(holdout_largest=-1).validate()
+
+
 def test_text_source_errors_name_path_and_what_was_looked_for(tmp_path):
     (tmp_path / "a.md").write_text("x")
     with pytest.raises(DataError, match=rf"{tmp_path}: no files ending in \.txt, \.rst found"):

@@ -28,6 +28,16 @@ def test_every_key_is_queried_once_after_the_context_and_only_values_are_targets
     assert all(context[int(tokens[j - 1])] == tokens[j] for j in at)  # followed by its own value
 
 
+@pytest.mark.parametrize("length, vocab, pairs", [(64, 16, 0), (64, 16, 9), (64, 256, 17), (16, 64, 5)])
+def test_an_explicit_pairs_count_that_does_not_fit_is_refused(length, vocab, pairs):
+    # the bound is min(vocab // 2 distinct keys, length // 4: the context and the queries)
+    with pytest.raises(ValueError, match=f"{pairs} pairs do not fit an MQAR example of {length} tokens and {vocab} ids"):
+        example(np.random.default_rng(0), length, 0.125, vocab, pairs=pairs)
+    fits = min(vocab // 2, length // 4)
+    tokens, targets = example(np.random.default_rng(0), length, 0.125, vocab, pairs=fits)
+    assert targets.sum() == fits and tokens.shape == (length,)
+
+
 def test_examples_are_a_function_of_the_seed():
     a, b = examples(3, [64, 128], 2, 0.25, 32), examples(3, [64, 128], 2, 0.25, 32)
     assert all((x[0] == y[0]).all() for x, y in zip(a, b))
