@@ -14,13 +14,18 @@ lower bound for M is already worse than the best plan found):
    micro-batch of exactly its length (its group holds all the devices it needs at once). For
    given targets, `_Context.pack` places sequences longest first: a sequence that cannot run alone on one device within the
    smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
-   a target — into an existing group of that degree with room (best fit), else into a new group
-   in the micro-batch with the highest target, then the most free devices (when memory is so
-   tight that this fails, existing groups of any degree are tried before new ones, and two
-   groups of degree d may merge into one of 2d to make room); every device left becomes a
-   degree-1 group and the other sequences go longest first onto the least used degree-1 group
-   (time or memory, whichever binds) across all micro-batches, overflowing into the slack of
-   the big groups (smallest degree first);
+   a target — into an existing group of that degree with room (best fit), else into the slack
+   of a bigger group where its device-time (time x degree) is within SAME_WORK (2%) of its own
+   degree's, else into a new group in the micro-batch with the highest target, then the most
+   free devices (when memory is so tight that this fails, existing groups of any degree are
+   tried before new ones, and two groups of degree d may merge into one of 2d to make room);
+   every device left becomes a degree-1 group, and the other sequences go longest first into
+   the big groups' slack (best fit, largest degree first), else onto the least used degree-1
+   group (time or memory, whichever binds) across all micro-batches, else into the first big
+   group with room (smallest degree first). Which sequences fill the big groups' slack matters
+   at cluster scale: in a group spanning nodes each token also pays its all-to-all over
+   InfiniBand, a cost linear in length beside attention's quadratic one, so the longest of the
+   short sequences lose the least device-time there;
 2. the batch-adaptive plan (best single degree, static.py) is a candidate too, so jaxsb is never
    worse than it (unless `time_limit_s` ran out first: then it is skipped, and the SolveInfo
    says so);
@@ -273,6 +278,8 @@ class _Rooms:
 
     def best_fit(self, j: int, need: float, has_memory) -> int | None:
         row = self.sorted[j]
+        if not row or row[-1][0] < need:
+            return None  # no group of this degree has the room
         best = best_slack = None
         for k in range(bisect.bisect_left(row, (need, -1, -1)), len(row)):
             room, order, g = row[k]
@@ -330,6 +337,7 @@ class _Context:
     """Per-batch tables as Python lists (fast scalar access) and the search routines."""
 
     LIGHTEST = 64  # a merge among more groups than this pairs the lightest first (_best_pair)
+    SAME_WORK = 0.02  # a bigger group's slack is as good as a new group within this much device-time
 
     def __init__(self, lin: LinearCost, T: np.ndarray, Mm: np.ndarray, fits: np.ndarray,
                  deadline: float = math.inf):
@@ -361,6 +369,15 @@ class _Context:
         self.position = {i: p for p, i in enumerate(self.order)}
         self.after_t = self._suffix_min(np.where(fits, T, np.inf))
         self.after_m = self._suffix_min(np.where(fits, Mm, np.inf))
+        # per sequence and degree index j, the bigger degrees k whose device-time is within
+        # SAME_WORK of j's (pack tries their groups' slack before a new group of degree j)
+        W = np.where(fits, T * degs[None, :], np.inf)
+        none = ()
+        self.alike = [[none] * self.nd for _ in range(n)]
+        for j in range(self.nd - 1):
+            near = (W[:, j + 1:] <= (1 + self.SAME_WORK) * W[:, j:j + 1]) & np.isfinite(W[:, j:j + 1])
+            for i in np.flatnonzero(near.any(axis=1)).tolist():
+                self.alike[i][j] = tuple((j + 1 + np.flatnonzero(near[i])).tolist())
 
     def _suffix_min(self, X: np.ndarray) -> list[list[float]]:
         if not self.n:
@@ -409,7 +426,7 @@ class _Context:
         `pin` = (i, j, b): sequence i starts a group of degree index j in micro-batch b first."""
         passes = ((True, False), (False, True)) if reuse else ((True, True),)
         M = len(caps)
-        N, deg, bt, cap, t, m, fit = self.N, self.deg, self.bt, self.cap, self.t, self.m, self.fit
+        N, deg, bt, cap, t, m, fit, alike = self.N, self.deg, self.bt, self.cap, self.t, self.m, self.fit, self.alike
         top, low = max(caps), min(caps)
         if (sum(caps) - M * self.bt_min) * N < self.work:  # not enough device-time: skip the greedy
             return None
@@ -420,6 +437,23 @@ class _Context:
         rooms = _Rooms(self.nd)  # the same groups, by the room left under their micro-batch's target
         rest = []
         single = deg[0] == 1
+
+        def join(g: int, i: int) -> None:  # sequence i into group g (at g's degree)
+            G = groups[g]
+            j = G[1]
+            G[2] += t[i][j]
+            G[3] += m[i][j]
+            G[4].append(i)
+            rooms.move(g, caps[G[0]] - G[2])
+            doubled.add(g, j, i)
+
+        def best_join(i: int, j: int) -> bool:  # sequence i into the best-fitting group of degree index j
+            mij, cj = m[i][j], cap[j]
+            g = rooms.best_fit(j, t[i][j], lambda g: groups[g][3] + mij <= cj)
+            if g is not None:
+                join(g, i)
+            return g is not None
+
         if pin is not None:
             i, j, b = pin
             if not fit[i][j] or bt[j] + t[i][j] > caps[b] or m[i][j] > cap[j]:
@@ -441,18 +475,12 @@ class _Context:
                 for j in range(self.nd):
                     if not fi[j] or bt[j] + ti[j] > top:
                         continue
-                    tij, mij, cj = ti[j], mi[j], cap[j]
-                    if use_old:  # best fit into an existing group of this degree
-                        best = rooms.best_fit(j, tij, lambda g: groups[g][3] + mij <= cj)
-                        if best is not None:
-                            G = groups[best]
-                            G[2] += tij
-                            G[3] += mij
-                            G[4].append(i)
-                            rooms.move(best, caps[G[0]] - G[2])
-                            doubled.add(best, j, i)
-                            placed = True
-                            break
+                    tij, mij = ti[j], mi[j]
+                    # best fit into an existing group of this degree, or into a bigger group's slack
+                    # where its device-time is about the same (degrees on one link price a token alike)
+                    if use_old and (best_join(i, j) or any(best_join(i, k) for k in alike[i][j])):
+                        placed = True
+                        break
                     if use_new:  # a new group where most room is left under its target, then most devices
                         need, d = bt[j] + tij, deg[j]
                         mb, most = -1, None
@@ -490,10 +518,26 @@ class _Context:
             big = [g for j in range(1, self.nd) for g in by_deg[j]]
             position, after_t, after_m = self.position, self.after_t, self.after_m
             heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
+            open_j = [j for j in range(self.nd - 1, 0, -1) if rooms.sorted[j]]
             for i in rest:
                 ti, mi = t[i], m[i]
                 t0, m0 = ti[0], mi[0]
                 done = False
+                # the slack of the big groups first, largest degree first: taken longest first,
+                # it goes to the sequences that cost least device-time beyond their own there
+                shut = False
+                for j in open_j:
+                    row = rooms.sorted[j]
+                    if not row or row[-1][0] < after_t[position[i]][j]:
+                        shut = True  # no group of this degree has room for any later sequence
+                    if fit[i][j] and row and row[-1][0] >= ti[j] and best_join(i, j):
+                        done = True
+                        break
+                if shut:
+                    open_j = [j for j in open_j if rooms.sorted[j] and
+                              rooms.sorted[j][-1][0] >= after_t[position[i]][j]]
+                if done:
+                    continue
                 popped = []
                 while heap:
                     G = groups[heap[0][1]]
@@ -526,10 +570,7 @@ class _Context:
                     del big[k]
                 if best is None:
                     return None
-                G = groups[best]
-                G[2] += ti[G[1]]
-                G[3] += mi[G[1]]
-                G[4].append(i)
+                join(best, i)
         return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
 
     def _merge_for(self, i, caps, groups, by_deg, doubled: _Doubled, rooms: _Rooms) -> tuple[int, int] | None:
@@ -641,7 +682,9 @@ class _Context:
         if best is None or found.total() < best.total():
             best = found
         for _ in range(steps):
-            if (hi - lo) * len(make_caps(hi)) <= self.tol * sum(make_caps(hi)) or self.expired():
+            top = make_caps(hi)
+            varied = sum(a != b for a, b in zip(top, make_caps(lo)))  # the targets x sets
+            if (hi - lo) * varied <= self.tol * sum(top) or self.expired():
                 break
             mid = 0.5 * (lo + hi)
             pk = self.pack(make_caps(mid), reuse, pin)
