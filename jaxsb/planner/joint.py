@@ -12,8 +12,8 @@ lower bound for M is already worse than the best plan found):
    1.1 / 1.25 / 1.5 / 2 x T) with the other targets bisected, and one "short heavy" target:
    the longest sequence pinned, at the smallest degree whose group ends before T, to a
    micro-batch of exactly its length (its group holds all the devices it needs at once). For
-   given targets, `_Context.pack` places sequences longest first: a sequence that cannot run alone on one device within the
-   smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
+   given targets, `_Context.pack` places sequences longest first: a sequence that cannot run
+   alone on one device within the smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
    a target — into an existing group of that degree with room (best fit), else into the slack
    of a bigger group where its device-time (time x degree) is within SAME_WORK (2%) of its own
    degree's, else into a new group in the micro-batch with the highest target, then the most
@@ -21,11 +21,10 @@ lower bound for M is already worse than the best plan found):
    tried before new ones, and two groups of degree d may merge into one of 2d to make room);
    every device left becomes a degree-1 group, and the other sequences go longest first into
    the big groups' slack (best fit, largest degree first), else onto the least used degree-1
-   group (time or memory, whichever binds) across all micro-batches, else into the first big
-   group with room (smallest degree first). Which sequences fill the big groups' slack matters
-   at cluster scale: in a group spanning nodes each token also pays its all-to-all over
-   InfiniBand, a cost linear in length beside attention's quadratic one, so the longest of the
-   short sequences lose the least device-time there;
+   group (time or memory, whichever binds) across all micro-batches. Which sequences fill the
+   big groups' slack matters at cluster scale: in a group spanning nodes each token also pays
+   its all-to-all over InfiniBand, a cost linear in length beside attention's quadratic one, so
+   the longest of the short sequences lose the least device-time there;
 2. the batch-adaptive plan (best single degree, static.py) is a candidate too, so jaxsb is never
    worse than it (unless `time_limit_s` ran out first: then it is skipped, and the SolveInfo
    says so);
@@ -364,11 +363,10 @@ class _Context:
         self.bt_min = float(min(self.bt))
         self.best_single = [min((self.bt[j] + self.t[i][j] for j in range(self.nd) if self.fit[i][j]))
                             for i in range(n)]
-        # per position p of `order`: the least time and memory at each degree of order[p + 1:]
-        # (pack's first fit drops a group that cannot take even these: no later sequence fits it)
+        # per position p of `order`: the least time at each degree of order[p + 1:] (pack stops
+        # looking at a degree whose groups have less room than that: no later sequence fits)
         self.position = {i: p for p, i in enumerate(self.order)}
         self.after_t = self._suffix_min(np.where(fits, T, np.inf))
-        self.after_m = self._suffix_min(np.where(fits, Mm, np.inf))
         # per sequence and degree index j, the bigger degrees k whose device-time is within
         # SAME_WORK of j's (pack tries their groups' slack before a new group of degree j)
         W = np.where(fits, T * degs[None, :], np.inf)
@@ -515,8 +513,7 @@ class _Context:
             span = [max(x - b0, 1e-9) for x in caps]
             heap = [(max((groups[g][2] - b0) / span[groups[g][0]], groups[g][3] / c0), g) for g in by_deg[0]]
             heapq.heapify(heap)
-            big = [g for j in range(1, self.nd) for g in by_deg[j]]
-            position, after_t, after_m = self.position, self.after_t, self.after_m
+            position, after_t = self.position, self.after_t
             heappop, heappush, heapreplace = heapq.heappop, heapq.heappush, heapq.heapreplace
             open_j = [j for j in range(self.nd - 1, 0, -1) if rooms.sorted[j]]
             for i in rest:
@@ -538,8 +535,8 @@ class _Context:
                               rooms.sorted[j][-1][0] >= after_t[position[i]][j]]
                 if done:
                     continue
-                popped = []
-                while heap:
+                popped = []  # then the least used degree-1 group (these are not in rooms or doubled:
+                while heap:  # nothing reads them for degree 1 after this point)
                     G = groups[heap[0][1]]
                     if G[2] + t0 <= caps[G[0]] and G[3] + m0 <= c0:
                         G[2] += t0
@@ -553,24 +550,8 @@ class _Context:
                         break
                 for p in popped:
                     heappush(heap, p)
-                if done:
-                    continue
-                best = None  # first fit, smallest degree first (cheapest), into the big groups
-                lo_t, lo_m = after_t[position[i]], after_m[position[i]]
-                full = []  # groups too full for every later sequence: out of the scan for good
-                for k, g in enumerate(big):
-                    G = groups[g]
-                    j = G[1]
-                    if fit[i][j] and G[2] + ti[j] <= caps[G[0]] and G[3] + mi[j] <= cap[j]:
-                        best = g
-                        break
-                    if G[2] + lo_t[j] > caps[G[0]] or G[3] + lo_m[j] > cap[j]:
-                        full.append(k)
-                for k in reversed(full):
-                    del big[k]
-                if best is None:
-                    return None
-                join(best, i)
+                if not done:
+                    return None  # no group of any degree has the time and memory for it
         return _Packing(M, [G for G in groups if G[0] >= 0], bt)  # merged-away groups dropped
 
     def _merge_for(self, i, caps, groups, by_deg, doubled: _Doubled, rooms: _Rooms) -> tuple[int, int] | None:
