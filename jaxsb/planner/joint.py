@@ -370,12 +370,12 @@ class _Context:
         # per sequence and degree index j, the bigger degrees k whose device-time is within
         # SAME_WORK of j's (pack tries their groups' slack before a new group of degree j)
         W = np.where(fits, T * degs[None, :], np.inf)
-        none = ()
-        self.alike = [[none] * self.nd for _ in range(n)]
-        for j in range(self.nd - 1):
-            near = (W[:, j + 1:] <= (1 + self.SAME_WORK) * W[:, j:j + 1]) & np.isfinite(W[:, j:j + 1])
-            for i in np.flatnonzero(near.any(axis=1)).tolist():
-                self.alike[i][j] = tuple((j + 1 + np.flatnonzero(near[i])).tolist())
+        near = (W[:, None, :] <= (1 + self.SAME_WORK) * W[:, :, None]) & np.isfinite(W[:, :, None])
+        near &= np.triu(np.ones((self.nd, self.nd), dtype=bool), 1)[None]  # [i, j, k]: k > j only
+        masks = (near * (1 << np.arange(self.nd, dtype=np.int64))[None, None, :]).sum(axis=2)
+        ks = {}  # bit mask -> the degree indices it holds (a few distinct masks per batch)
+        self.alike = [[ks[c] if c in ks else ks.setdefault(c, tuple(k for k in range(self.nd) if c >> k & 1))
+                       for c in row] for row in masks.tolist()]
 
     def _suffix_min(self, X: np.ndarray) -> list[list[float]]:
         if not self.n:
@@ -446,8 +446,11 @@ class _Context:
             doubled.add(g, j, i)
 
         def best_join(i: int, j: int) -> bool:  # sequence i into the best-fitting group of degree index j
+            row, tij = rooms.sorted[j], t[i][j]
+            if not row or row[-1][0] < tij:
+                return False  # no group of this degree has the room (the common case: no call below)
             mij, cj = m[i][j], cap[j]
-            g = rooms.best_fit(j, t[i][j], lambda g: groups[g][3] + mij <= cj)
+            g = rooms.best_fit(j, tij, lambda g: groups[g][3] + mij <= cj)
             if g is not None:
                 join(g, i)
             return g is not None
@@ -476,7 +479,8 @@ class _Context:
                     tij, mij = ti[j], mi[j]
                     # best fit into an existing group of this degree, or into a bigger group's slack
                     # where its device-time is about the same (degrees on one link price a token alike)
-                    if use_old and (best_join(i, j) or any(best_join(i, k) for k in alike[i][j])):
+                    bigger = alike[i][j]
+                    if use_old and (best_join(i, j) or (bigger and any(best_join(i, k) for k in bigger))):
                         placed = True
                         break
                     if use_new:  # a new group where most room is left under its target, then most devices
