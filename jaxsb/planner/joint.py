@@ -13,12 +13,13 @@ lower bound for M is already worse than the best plan found):
    the longest sequence pinned, at the smallest degree whose group ends before T, to a
    micro-batch of exactly its length (its group holds all the devices it needs at once). For
    given targets, `_Context.pack` places sequences longest first: a sequence that cannot run
-   alone on one device within the smallest target (time or memory) goes to the smallest power-of-2 degree that holds it within
-   a target — into an existing group of that degree with room (best fit), else into the slack
-   of a bigger group where its device-time (time x degree) is within SAME_WORK (2%) of its own
-   degree's, else into a new group in the micro-batch with the highest target, then the most
-   free devices (when memory is so tight that this fails, existing groups of any degree are
-   tried before new ones, and two groups of degree d may merge into one of 2d to make room);
+   alone on one device within the smallest target (time or memory) goes to the smallest
+   power-of-2 degree that holds it within a target — into an existing group of that degree
+   with room (best fit), else into the slack of a bigger group where its device-time (time x
+   degree) is within SAME_WORK (2%) of its own degree's, else into a new group in the
+   micro-batch with the highest target, then the most free devices (when memory is so tight
+   that this fails, existing groups of any degree are tried before new ones, and two groups of
+   degree d may merge into one of 2d to make room);
    every device left becomes a degree-1 group, and the other sequences go longest first into
    the big groups' slack (best fit, largest degree first), else onto the least used degree-1
    group (time or memory, whichever binds) across all micro-batches. Which sequences fill the
@@ -277,8 +278,6 @@ class _Rooms:
 
     def best_fit(self, j: int, need: float, has_memory) -> int | None:
         row = self.sorted[j]
-        if not row or row[-1][0] < need:
-            return None  # no group of this degree has the room
         best = best_slack = None
         for k in range(bisect.bisect_left(row, (need, -1, -1)), len(row)):
             room, order, g = row[k]
@@ -531,7 +530,7 @@ class _Context:
                     row = rooms.sorted[j]
                     if not row or row[-1][0] < after_t[position[i]][j]:
                         shut = True  # no group of this degree has room for any later sequence
-                    if fit[i][j] and row and row[-1][0] >= ti[j] and best_join(i, j):
+                    if fit[i][j] and best_join(i, j):
                         done = True
                         break
                 if shut:
@@ -539,8 +538,8 @@ class _Context:
                               rooms.sorted[j][-1][0] >= after_t[position[i]][j]]
                 if done:
                     continue
-                popped = []  # then the least used degree-1 group (these are not in rooms or doubled:
-                while heap:  # nothing reads them for degree 1 after this point)
+                popped = []  # then the least used degree-1 group (its rooms and doubled entries are
+                while heap:  # not kept up to date here: nothing reads degree 1's after this point)
                     G = groups[heap[0][1]]
                     if G[2] + t0 <= caps[G[0]] and G[3] + m0 <= c0:
                         G[2] += t0
