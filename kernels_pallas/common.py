@@ -63,6 +63,17 @@ class BlockGrid:
         return 1.0 / math.sqrt(self.D)
 
 
+def range_of_true(x_BxNxM):
+    """[B, N, 2] int32: [first, last + 1) of the True entries on the last axis; [0, 0) if none.
+    Plain min / max reductions over the positions (argmax's index-carrying reduction
+    compiled slower on TPU and GPU)."""
+    m = x_BxNxM.shape[-1]
+    pos = jnp.arange(m, dtype=jnp.int32)
+    last1 = jnp.where(x_BxNxM, pos + 1, 0).max(-1)
+    first = jnp.where(x_BxNxM, pos, m).min(-1)
+    return jnp.stack([jnp.where(last1 > 0, first, 0), last1], axis=-1)
+
+
 def dot(a, b, dims):
     """lax.dot_general at full precision, accumulating in float32."""
     return lax.dot_general(a, b, dims, precision=(HI, HI), preferred_element_type=jnp.float32)

@@ -8,16 +8,19 @@ them):
   * `walk.fwd(tables, b, kv_head, q_block, step) -> (key block, kind)`: the step-th key block
     query block q_block visits (the forward and dQ grids are (B, H, nq, walk.fwd_steps));
   * `walk.bwd(tables, b, kv_head, outer, step) -> (key block, query block, kind, first, last)`
-    on the dK/dV grid (B, K, walk.bwd_outer, walk.bwd_steps): the steps of one key block are
-    consecutive (a run; first / last mark its ends, where dK/dV are zeroed and written), and
-    each step handles the G query heads of the kv head together (one [G, bq, D] block), so
-    the grid does not grow with G. Flash has a run of nq steps per key block (outer = key
-    block); block-sparse walks one list of (key block, query block) pairs (outer = 1);
+    on the dK/dV grid (B, K, walk.bwd_outer, walk.bwd_steps * G): the steps of one key block
+    are consecutive (a run; first / last mark its ends, where dK/dV are zeroed and written),
+    and each of the walk's steps is G grid steps, one per query head sharing the kv head
+    (`_dkv_step`). Flash has a run of nq steps per key block (outer = key block); block-sparse
+    walks one list of (key block, query block) pairs (outer = 1);
+  * `walk.fwd_tables` / `walk.bwd_tables` (optional): which tables each side reads; the
+    kernels get only those (`_Reads`).
 
 kind is SKIP (compute nothing), FULL (every pair allowed) or PARTIAL (mask by segment id,
-causality and key padding); FULL and PARTIAL pairs run the same masked body (`_unless_skip`). Past the end of a block's list a walk repeats
-its last block with kind SKIP, so the pipeline issues no new copy and the step costs only the
-grid overhead: the copies and the arithmetic both follow the walk, as in splash attention.
+causality and key padding); FULL and PARTIAL pairs run the same masked body
+(`_unless_skip`). Past the end of a block's list a walk repeats its last block with kind SKIP,
+so the pipeline issues no new copy and the step costs only the grid overhead: the copies and
+the arithmetic both follow the walk, as in splash attention.
 `flash_attention/pallas_tpu.py` (contiguous key-block ranges, kinds from per-block segment
 summaries), `block_sparse_attention/pallas_tpu.py` (explicit per-block lists) and
 `ring_chunk/pallas_tpu.py` (the ring's chunk op: ranges and kinds from its own table)
@@ -27,7 +30,11 @@ and key lengths (`Geometry.T_kv`).
 
 TPU layout rules this file is written to (Mosaic wants the last two dimensions of every block
 divisible by (8, 128) or equal to the array's): blocks are multiples of 128 tokens; the head
-dim is a whole block dimension (padded to a multiple of 128 above 128); per-row statistics are
+dim is a whole block dimension. A head of whole 128-lane tiles (D = 128, 256, ...) is read
+where the caller has it, heads side by side in [B, T, H * D] (a free reshape of [B, T, H, D];
+block (bq, D) at column block h); other head dims are transposed to [B, H, T, Dm] (padded to a
+multiple of 128 above 128) and back (`layout`, `Geometry.interleaved`): those transposes made
+most of a kernel's TPU compile time. Per-row statistics are
 held lane-replicated as [rows, 128] (the running max and sum in VMEM scratch, the log-sum-exp
 output, sliced to [B, H, T] at once), as [1, T] rows turned into columns in the kernel (lse
 and delta in dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs them as a row
@@ -36,8 +43,9 @@ matmuls). Segment ids come twice for the same reason: lane-replicated [B, T, 128
 per block) and sublane-replicated [B, 8, T] (a row).
 
 The tables live in SMEM (1 MiB per core on TPU v4 to v6e); `check_smem` refuses tables over
-SMEM_BUDGET with the sizes and the way out (larger blocks). Blocks default to 512 x 512 on TPU
-(ops.DEFAULT_BLOCKS): fewer grid steps (each costs ~0.35 us) and full MXU tiles; a step keeps a
+SMEM_BUDGET with the sizes and the way out (larger blocks). Blocks default to 512 x 512 on TPU,
+256 x 256 for float32 (ops.default_blocks): fewer grid steps (each costs ~0.35 us) and full MXU
+tiles; a step keeps a
 few [bq, bk] float32 temporaries in VMEM (about 5 MiB at 512 x 512, within the default scoped
 VMEM), so much larger blocks would need `vmem_limit_bytes`.
 
@@ -88,6 +96,12 @@ class Geometry(BlockGrid):
         """Head dim as the kernels see it: D up to 128, else padded to a multiple of 128."""
         return self.D if self.D <= LANES else -(-self.D // LANES) * LANES
 
+    @property
+    def interleaved(self) -> bool:
+        """Heads side by side in the last axis, [B, T, N * D] (the caller's own layout, a free
+        reshape), when a head is whole 128-lane tiles; else transposed to [B, N, T, Dm]."""
+        return self.D % LANES == 0
+
 
 def make_geometry(T: int, D: int, block_q: int, block_k: int, causal: bool,
                   interpret: bool, tpu_interpreter: bool = True, T_kv: int = 0,
@@ -103,14 +117,57 @@ def make_geometry(T: int, D: int, block_q: int, block_k: int, causal: bool,
 
 
 def layout(x_BxTxNxD, T_pad: int, geo: Geometry):
-    """[B, T, N, D] -> [B, N, T_pad, Dm], zero padded, dtype kept."""
-    return pad_axis(pad_axis(x_BxTxNxD, 1, T_pad), 3, geo.Dm).transpose(0, 2, 1, 3)
+    """[B, T, N, D] -> the kernels' layout, zero padded to T_pad tokens, dtype kept:
+    [B, T_pad, N * D] when `geo.interleaved` (no data moves unless T is padded), else
+    [B, N, T_pad, Dm] (a transpose, D padded). Transposes next to the kernels made most of
+    their compile time (flash forward, T = 4096, D = 128 on TPU v5p: 1.2 s against 0.5 s
+    without them)."""
+    x = pad_axis(x_BxTxNxD, 1, T_pad)
+    if geo.interleaved:
+        return x.reshape(*x.shape[:2], -1)
+    return pad_axis(x, 3, geo.Dm).transpose(0, 2, 1, 3)
 
 
-def unlayout(x_BxNxTxDm, geo: Geometry, dtype, length: int | None = None):
-    """The inverse of `layout`: [B, N, T_pad, Dm] -> [B, length (default T), N, D] in dtype."""
+def unlayout(x, geo: Geometry, dtype, length: int | None = None):
+    """The inverse of `layout`: -> [B, length (default T), N, D] in dtype."""
     length = geo.T if length is None else length
-    return x_BxNxTxDm[:, :, :length, : geo.D].transpose(0, 2, 1, 3).astype(dtype)
+    if geo.interleaved:
+        return x[:, :length].reshape(x.shape[0], length, -1, geo.D).astype(dtype)
+    return x[:, :, :length, : geo.D].transpose(0, 2, 1, 3).astype(dtype)
+
+
+def heads(x, geo: Geometry) -> int:
+    """The number of heads of an array in the kernels' layout."""
+    return x.shape[2] // geo.Dm if geo.interleaved else x.shape[1]
+
+
+def head_struct(B: int, N: int, T_pad: int, geo: Geometry, dtype, like):
+    """The ShapeDtypeStruct of N heads of T_pad tokens in the kernels' layout."""
+    shape = (B, T_pad, N * geo.Dm) if geo.interleaved else (B, N, T_pad, geo.Dm)
+    return out_struct(shape, dtype, like)
+
+
+def head_spec(rows: int, geo: Geometry, index):
+    """BlockSpec of one head's [rows, Dm] block; index(*grid, *tables) -> (row, head, row block)."""
+    if geo.interleaved:
+        return pl.BlockSpec((None, rows, geo.Dm), lambda *a: _bnr(*index(*a)))
+    return pl.BlockSpec((None, None, rows, geo.Dm), lambda *a: _brn(*index(*a)))
+
+
+def _bnr(b, n, r):
+    return b, r, n
+
+
+def _brn(b, n, r):
+    return b, n, r, 0
+
+
+def row_sums(a, b, geo: Geometry):
+    """rowsum(a * b) in float32 of two arrays in the kernels' layout -> [B, N, T_pad]."""
+    prod = a.astype(jnp.float32) * b.astype(jnp.float32)
+    if geo.interleaved:
+        return prod.reshape(*prod.shape[:2], -1, geo.Dm).sum(-1).transpose(0, 2, 1)
+    return prod.sum(-1)
 
 
 def lanes(x_BxT):
@@ -201,22 +258,56 @@ def _params(interpret: bool, semantics):
 _QK_GRID = ("parallel", "parallel", "parallel", "arbitrary")
 
 
-def _fwd_maps(walk, G: int):
-    """Index maps of the (B, H, nq, steps) grids: q-side blocks, and the k-side blocks of the
-    walk's key block. Integer division is lax.div (ids are non-negative; jnp's floor division
-    lowers through `sign`, which Mosaic only lowers with a TPU attached)."""
+def _fwd_maps(walk, G: int, geo: Geometry):
+    """Block specs' index maps of the (B, H, nq, steps) grids: q-side head blocks, q-side ids,
+    k-side head blocks of the walk's key block, k-side ids. Integer division is lax.div (ids
+    are non-negative; jnp's floor division lowers through `sign`, which Mosaic only lowers with
+    a TPU attached)."""
 
-    def kv_map(b, h, i, j, *t):
+    def kv_index(b, h, i, j, *t):
         kvh = lax.div(h, G)
-        return b, kvh, walk.fwd(t, b, kvh, i, j)[0], 0
+        return b, kvh, walk.fwd(t, b, kvh, i, j)[0]
 
     def sk_map(b, h, i, j, *t):
         return b, 0, walk.fwd(t, b, lax.div(h, G), i, j)[0]
 
-    return (lambda b, h, i, j, *t: (b, h, i, 0)), (lambda b, h, i, j, *t: (b, i, 0)), kv_map, sk_map
+    return (lambda b, h, i, j, *t: (b, h, i)), (lambda b, h, i, j, *t: (b, i, 0)), kv_index, sk_map
 
 
 # ----------------------------------------------------------------------------- forward
+
+
+@dataclasses.dataclass(frozen=True)
+class _Reads:
+    """A walk given only the tables `which` (indices into the full tuple of `n`): the kernel
+    and its index maps see the full tuple again, None where a table was not passed. A walk
+    names the tables its forward / backward read as `fwd_tables` / `bwd_tables` (default:
+    all), so the forward does not take, and a forward-only program does not compute or
+    compile, the backward's tables (block-sparse: the sorted pair codes)."""
+
+    walk: object
+    which: tuple
+    n: int
+
+    @staticmethod
+    def of(walk, direction: str, tables):
+        which = tuple(getattr(walk, f"{direction}_tables", range(len(tables))))
+        return _Reads(walk, which, len(tables)), tuple(tables[i] for i in which)
+
+    def _full(self, t):
+        full = [None] * self.n
+        for i, ref in zip(self.which, t):
+            full[i] = ref
+        return tuple(full)
+
+    def fwd(self, t, *args):
+        return self.walk.fwd(self._full(t), *args)
+
+    def bwd(self, t, *args):
+        return self.walk.bwd(self._full(t), *args)
+
+    def __getattr__(self, name):  # the walk's step counts
+        return getattr(self.walk, name)
 
 
 def _split(refs, ntab: int, geo: Geometry):
@@ -275,13 +366,15 @@ def _id_specs(ids, rows_spec, cols_spec):
 
 
 def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
-    """qt [B, H, Tq, Dm], kt/vt [B, K, Tk, Dm] (see `layout`), ids (see `_id_inputs`) ->
-    (o [B, H, Tq, Dm] in out_dtype (default q's), lse [B, H, Tq] float32)."""
-    B, H = qt.shape[:2]
-    G = H // kt.shape[1]
+    """qt (H heads of Tq tokens), kt/vt (K heads of Tk tokens) in the kernels' layout (see
+    `layout`), ids (see `_id_inputs`) -> (o like qt in out_dtype (default q's), lse [B, H, Tq]
+    float32)."""
+    B, H = qt.shape[0], heads(qt, geo)
+    G = H // heads(kt, geo)
     bq, bk, Dm = geo.bq, geo.bk, geo.Dm
+    walk, tables = _Reads.of(walk, "fwd", tables)
 
-    q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
+    q_index, sq_map, kv_index, sk_map = _fwd_maps(walk, G, geo)
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, geo=geo, walk=walk, G=G, ntab=len(tables)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -289,13 +382,13 @@ def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
             grid=(B, H, geo.nq, walk.fwd_steps),
             in_specs=_id_specs(ids, pl.BlockSpec((None, bq, LANES), sq_map),
                                pl.BlockSpec((None, SUBLANES, bk), sk_map)) + [
-                pl.BlockSpec((None, None, bq, Dm), q_map),
-                pl.BlockSpec((None, None, bk, Dm), kv_map),
-                pl.BlockSpec((None, None, bk, Dm), kv_map),
+                head_spec(bq, geo, q_index),
+                head_spec(bk, geo, kv_index),
+                head_spec(bk, geo, kv_index),
             ],
             out_specs=[
-                pl.BlockSpec((None, None, bq, Dm), q_map),
-                pl.BlockSpec((None, None, bq, LANES), q_map),
+                head_spec(bq, geo, q_index),
+                pl.BlockSpec((None, None, bq, LANES), lambda *a: _brn(*q_index(*a))),
             ],
             scratch_shapes=[
                 pltpu.VMEM((bq, LANES), jnp.float32),
@@ -304,7 +397,7 @@ def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
             ],
         ),
         out_shape=[
-            out_struct((B, H, geo.Tq, Dm), out_dtype or qt.dtype, qt),
+            head_struct(B, H, geo.Tq, geo, out_dtype or qt.dtype, qt),
             out_struct((B, H, geo.Tq, LANES), jnp.float32, qt),
         ],
         compiler_params=_params(geo.interpret, _QK_GRID),
@@ -344,14 +437,26 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         dq_ref[...] = (dq_scr[...] * geo.scale).astype(dq_ref.dtype)
 
 
+def _dkv_step(walk, t, b, kvh, outer, step, G: int):
+    """Step `step` of the dK/dV grid's last axis (walk.bwd_steps * G long) -> (key block, query
+    block, kind, first, last, query head): the walk's step // G for query head step % G of kv
+    head kvh. The G heads of a pair are consecutive steps, so a key block's run stays
+    consecutive; a SKIP step takes head G - 1's block, the one of the step before it at the end
+    of a run, so it issues no copy."""
+    s, g = lax.div(step, G), lax.rem(step, G)
+    kb, qb, kind, first, last = walk.bwd(t, b, kvh, outer, s)
+    head = kvh * G + jnp.where(kind == SKIP, G - 1, g)
+    return kb, qb, kind, first & (g == 0), last & (g == G - 1), head
+
+
 def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
-    """One step: key block kb against query block qb for all G query heads of kv head kvh.
-    The walk's steps for one key block are consecutive (a run): dK/dV accumulate in scratch
-    from the run's first step and are written at its last."""
+    """One step: key block kb against query block qb for one of the G query heads of kv head
+    kvh. The steps of one key block are consecutive (a run): dK/dV accumulate in scratch from
+    the run's first step and are written at its last."""
     tables, ids, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dk_ref, dv_ref, dk_scr,
                   dv_scr) = _split(refs, ntab, geo)
     b, kvh, outer, step = (pl.program_id(a) for a in range(4))
-    kb, qb, kind, first, last = walk.bwd(tables, b, kvh, outer, step)
+    kb, qb, kind, first, last, _ = _dkv_step(walk, tables, b, kvh, outer, step, G)
 
     @pl.when(first)
     def _init():
@@ -359,19 +464,13 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         dv_scr[...] = jnp.zeros(dv_scr.shape, jnp.float32)
 
     def update():
-        k, v = k_ref[...], v_ref[...]
+        k, v, q, do = k_ref[...], v_ref[...], q_ref[...], do_ref[...]
         mask = _mask(ids, kb * geo.bk, qb * geo.bq, False, geo)
-
-        def head(g, carry):  # one of the G query heads sharing this kv head (a loop, not unrolled:
-            q, do = q_ref[g], do_ref[g]  # G copies of the body made compiles G times longer)
-            st = _mm(k, q, NT) * geo.scale  # [bk, bq]: scores transposed
-            pt = jnp.where(mask, jnp.exp(st - lse_ref[g, :1, :]), 0.0)
-            dv_scr[...] += _mm(pt.astype(do.dtype), do, NN)
-            dst = pt * (_mm(v, do, NT) - delta_ref[g, :1, :])
-            dk_scr[...] += _mm(dst.astype(q.dtype), q, NN)
-            return carry
-
-        lax.fori_loop(0, G, head, 0)
+        st = _mm(k, q, NT) * geo.scale  # [bk, bq]: scores transposed
+        pt = jnp.where(mask, jnp.exp(st - lse_ref[:1, :]), 0.0)
+        dv_scr[...] += _mm(pt.astype(do.dtype), do, NN)
+        dst = pt * (_mm(v, do, NT) - delta_ref[:1, :])
+        dk_scr[...] += _mm(dst.astype(q.dtype), q, NN)
 
     _unless_skip(kind, update)
 
@@ -382,85 +481,82 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
 
 
 def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, grad_dtype=None):
-    """Cotangent do_t [B, H, Tq, Dm] (layout of q), lse and delta = rowsum(dO * O) float32
-    [B, H, Tq] -> dq, dk, dv in the kernels' layout, in grad_dtype (default: q's, k's, v's)."""
-    B, H = qt.shape[:2]
-    K = kt.shape[1]
+    """Cotangent do_t (layout of q), lse and delta = rowsum(dO * O) float32 [B, H, Tq] -> dq,
+    dk, dv in the kernels' layout, in grad_dtype (default: q's, k's, v's)."""
+    B, H, K = qt.shape[0], heads(qt, geo), heads(kt, geo)
     G = H // K
     bq, bk, Dm = geo.bq, geo.bk, geo.Dm
-    ntab = len(tables)
+    walk_fwd, fwd_tables = _Reads.of(walk, "fwd", tables)
+    walk, tables = _Reads.of(walk, "bwd", tables)
 
-    q_map, sq_map, kv_map, sk_map = _fwd_maps(walk, G)
+    q_index, sq_map, kv_index, sk_map = _fwd_maps(walk_fwd, G, geo)
     row_map = lambda b, h, i, j, *t: (b, h, 0, i)  # noqa: E731
     dq = pl.pallas_call(
-        functools.partial(_dq_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
+        functools.partial(_dq_kernel, geo=geo, walk=walk_fwd, G=G, ntab=len(fwd_tables)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=ntab,
+            num_scalar_prefetch=len(fwd_tables),
             grid=(B, H, geo.nq, walk.fwd_steps),
             in_specs=_id_specs(ids, pl.BlockSpec((None, bq, LANES), sq_map),
                                pl.BlockSpec((None, SUBLANES, bk), sk_map)) + [
-                pl.BlockSpec((None, None, bq, Dm), q_map),  # q
-                pl.BlockSpec((None, None, bk, Dm), kv_map),  # k
-                pl.BlockSpec((None, None, bk, Dm), kv_map),  # v
-                pl.BlockSpec((None, None, bq, Dm), q_map),  # do
+                head_spec(bq, geo, q_index),  # q
+                head_spec(bk, geo, kv_index),  # k
+                head_spec(bk, geo, kv_index),  # v
+                head_spec(bq, geo, q_index),  # do
                 pl.BlockSpec((None, None, 1, bq), row_map),  # lse, a row
                 pl.BlockSpec((None, None, 1, bq), row_map),  # delta
             ],
-            out_specs=pl.BlockSpec((None, None, bq, Dm), q_map),
+            out_specs=head_spec(bq, geo, q_index),
             scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
         ),
-        out_shape=out_struct((B, H, geo.Tq, Dm), grad_dtype or qt.dtype, qt),
+        out_shape=head_struct(B, H, geo.Tq, geo, grad_dtype or qt.dtype, qt),
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dq",
-    )(*tables, *_id_inputs(ids, True), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
+    )(*fwd_tables, *_id_inputs(ids, True), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
 
-    # dK/dV: grid (B, K, walk.bwd_outer, walk.bwd_steps); the G query heads of a kv head come
-    # in one block ([B, K, G, ...] views of the [B, H, ...] arrays are free reshapes).
-    def k_side(b, kvh, outer, step, *t):
-        return walk.bwd(t, b, kvh, outer, step)[0]
+    # dK/dV: grid (B, K, walk.bwd_outer, walk.bwd_steps * G), see `_dkv_step`.
+    def step_of(b, kvh, outer, step, *t):
+        return _dkv_step(walk, t, b, kvh, outer, step, G)
 
-    def q_side(b, kvh, outer, step, *t):
-        return walk.bwd(t, b, kvh, outer, step)[1]
+    def q_index_bwd(*a):
+        r = step_of(*a)
+        return a[0], r[5], r[1]
 
-    def grouped(x):
-        return x.reshape(B, K, G, *x.shape[2:])
+    def k_index_bwd(*a):
+        return a[0], a[1], step_of(*a)[0]
 
-    q_block = lambda *a: (a[0], a[1], 0, q_side(*a), 0)  # noqa: E731
-    k_block = lambda *a: (a[0], a[1], k_side(*a), 0)  # noqa: E731
+    def rows_index(*a):
+        b, head, qb = q_index_bwd(*a)
+        return b, head, 0, qb
+
+    rows_spec = pl.BlockSpec((None, None, SUBLANES, bq), rows_index)
     rows8 = lambda x: jnp.broadcast_to(x[:, :, None, :], (B, H, SUBLANES, geo.Tq))  # noqa: E731
     dk, dv = pl.pallas_call(
-        functools.partial(_dkv_kernel, geo=geo, walk=walk, G=G, ntab=ntab),
+        functools.partial(_dkv_kernel, geo=geo, walk=walk, G=G, ntab=len(tables)),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=ntab,
-            grid=(B, K, walk.bwd_outer, walk.bwd_steps),
+            num_scalar_prefetch=len(tables),
+            grid=(B, K, walk.bwd_outer, walk.bwd_steps * G),
             in_specs=_id_specs(
-                ids, pl.BlockSpec((None, bk, LANES), lambda *a: (a[0], k_side(*a), 0)),
-                pl.BlockSpec((None, SUBLANES, bq), lambda *a: (a[0], 0, q_side(*a)))) + [
-                pl.BlockSpec((None, None, G, bq, Dm), q_block),  # q
-                pl.BlockSpec((None, None, bk, Dm), k_block),  # k
-                pl.BlockSpec((None, None, bk, Dm), k_block),  # v
-                pl.BlockSpec((None, None, G, bq, Dm), q_block),  # do
-                pl.BlockSpec((None, None, G, SUBLANES, bq),
-                             lambda *a: (a[0], a[1], 0, 0, q_side(*a))),  # lse rows
-                pl.BlockSpec((None, None, G, SUBLANES, bq),
-                             lambda *a: (a[0], a[1], 0, 0, q_side(*a))),  # delta rows
+                ids, pl.BlockSpec((None, bk, LANES), lambda *a: (a[0], step_of(*a)[0], 0)),
+                pl.BlockSpec((None, SUBLANES, bq), lambda *a: (a[0], 0, step_of(*a)[1]))) + [
+                head_spec(bq, geo, q_index_bwd),  # q
+                head_spec(bk, geo, k_index_bwd),  # k
+                head_spec(bk, geo, k_index_bwd),  # v
+                head_spec(bq, geo, q_index_bwd),  # do
+                rows_spec,  # lse rows
+                rows_spec,  # delta rows
             ],
-            out_specs=[
-                pl.BlockSpec((None, None, bk, Dm), k_block),
-                pl.BlockSpec((None, None, bk, Dm), k_block),
-            ],
+            out_specs=[head_spec(bk, geo, k_index_bwd), head_spec(bk, geo, k_index_bwd)],
             scratch_shapes=[pltpu.VMEM((bk, Dm), jnp.float32), pltpu.VMEM((bk, Dm), jnp.float32)],
         ),
         out_shape=[
-            out_struct((B, K, geo.Tk, Dm), grad_dtype or kt.dtype, kt),
-            out_struct((B, K, geo.Tk, Dm), grad_dtype or vt.dtype, kt),
+            head_struct(B, K, geo.Tk, geo, grad_dtype or kt.dtype, kt),
+            head_struct(B, K, geo.Tk, geo, grad_dtype or vt.dtype, kt),
         ],
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dkv",
-    )(*tables, *_id_inputs(ids, False), grouped(qt), kt, vt, grouped(do_t),
-      grouped(rows8(lse)), grouped(rows8(delta)))
+    )(*tables, *_id_inputs(ids, False), qt, kt, vt, do_t, rows8(lse), rows8(delta))
     return dq, dk, dv
 
 
@@ -494,7 +590,7 @@ def _attention_fwd(q, k, v, seg_BxT, tables, geo, walk):
 def _attention_bwd(geo, walk, res, do):
     q, k, v, seg_BxT, tables, o, lse = res
     do_t = layout(do, geo.Tq, geo)
-    delta = (do_t.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+    delta = row_sums(do_t, o, geo)  # [B, H, Tq]
     dq, dk, dv = backward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo), do_t, lse,
                           delta, geo, walk)
     grads = (unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))

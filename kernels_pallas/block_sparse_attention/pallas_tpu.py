@@ -36,8 +36,8 @@ def pair_codes(sel_BxKxNqxNk, width: int):
     sel_t = sel_BxKxNqxNk.transpose(0, 1, 3, 2)  # [B, K, nk, nq]
     ext = jnp.concatenate([~sel_t.any(-1, keepdims=True), sel_t], axis=-1).reshape(B, K, -1)
     P = min(ext.shape[-1], nk + nq * min(width, nk))
-    order = jnp.argsort(~ext, axis=-1, stable=True)[..., :P].astype(jnp.int32)
-    n = ext.sum(-1, dtype=jnp.int32)[..., None]
+    order, n = sparse_pallas.true_positions(ext, P)
+    n = n[..., None]  # >= 1: every key block has an entry
     last = jnp.take_along_axis(order, n - 1, axis=-1)
     tail = last - last % (nq + 1)  # the last key block, c = 0
     return jnp.where(jnp.arange(P) < n, order, tail)
@@ -53,6 +53,8 @@ class ListWalk:
     fwd_steps: int
     bwd_steps: int
     bwd_outer: int = 1
+    fwd_tables = (0,)  # the per-query-block lists
+    bwd_tables = (1,)  # the pair codes
 
     def fwd(self, t, b, kvh, qi, step):
         base = ((b * self.kv_heads + kvh) * self.geo.nq + qi) * (1 + self.fwd_steps)

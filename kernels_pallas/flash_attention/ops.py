@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax.numpy as jnp
 import numpy as np
 
 from kernels_pallas.common import check_qkv, pallas_target, resolve_implementation
@@ -47,6 +48,18 @@ class BlockSizes:
 # the MXU (128 or 256 wide) full, as TPU attention kernels usually do.
 DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64),
                   "mosaic": BlockSizes(512, 512)}
+# float32 on TPU: a full-precision matmul is six bf16 MXU passes, and at 512 x 512 blocks the
+# float32 programs compiled 2-3x slower than bfloat16 ones (flash fwd + bwd, T = 4096,
+# D = 128, v5p: 2.0 s; 1.2 s at 256 x 256). Six passes give a 256 x 256 step more MXU work
+# than a 512 x 512 bf16 step, so the ~0.35 us per grid step stays small beside it.
+MOSAIC_FLOAT32_BLOCKS = BlockSizes(256, 256)
+
+
+def default_blocks(implementation: str, dtype) -> BlockSizes:
+    """The blocks an implementation takes when the caller names none, for inputs of dtype."""
+    if implementation == "mosaic" and jnp.dtype(dtype) == jnp.float32:
+        return MOSAIC_FLOAT32_BLOCKS
+    return DEFAULT_BLOCKS[implementation]
 
 
 def _check(q, k, v, segment_ids, implementation):
@@ -71,7 +84,7 @@ def flash_attention(
 
     q [B,T,H,D], k/v [B,T,K,D], H % K == 0 (query head h uses kv head h // (H // K)),
     segment_ids [B,T] integer or None (one document per row). T need not be a multiple of
-    the block sizes; None picks the implementation's default (DEFAULT_BLOCKS).
+    the block sizes; None picks the implementation's default (`default_blocks`).
     `interpret` only matters for the Pallas kernels (see the module doc).
     """
     _check(q, k, v, segment_ids, implementation)
@@ -82,7 +95,7 @@ def flash_attention(
     implementation, interpret = resolve_implementation(implementation, interpret)
     if implementation == "pallas" and pallas_target() == "mosaic":
         implementation = "mosaic"
-    default = DEFAULT_BLOCKS[implementation]
+    default = default_blocks(implementation, q.dtype)
     blocks = BlockSizes(
         default.block_q if block_q is None else block_q,
         default.block_k if block_k is None else block_k,

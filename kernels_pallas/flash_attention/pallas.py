@@ -44,7 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
-from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params, unless_skip
+from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, range_of_true
+from kernels_pallas.common import triton_compiler_params, unless_skip
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -96,17 +97,6 @@ def _static_full(blocks: BlockGrid) -> np.ndarray:
     return full
 
 
-def _range_of_true(x_BxNxM):
-    """[B, N, 2] int32: [first, last + 1) of the True entries on the last axis; [0, 0) if none."""
-    m = x_BxNxM.shape[-1]
-    any_ = x_BxNxM.any(-1)
-    first = jnp.argmax(x_BxNxM, axis=-1)
-    last1 = m - jnp.argmax(x_BxNxM[..., ::-1], axis=-1)
-    return jnp.stack(
-        [jnp.where(any_, first, 0), jnp.where(any_, last1, 0)], axis=-1
-    ).astype(jnp.int32)
-
-
 def block_summary(seg_BxT, block: int):
     """Per block of `block` tokens, each [B, n]: (lowest nonzero id, highest nonzero id, holds
     padding (id 0), lowest id, highest id). T must be a multiple of `block`."""
@@ -137,7 +127,7 @@ def block_tables(seg_q_BxTq, seg_k_BxTk, blocks: BlockGrid):
     visit = overlap & jnp.asarray(_static_reachable(blocks))[None]
     full = uniform & jnp.asarray(_static_full(blocks))[None]
     kinds = jnp.where(visit, jnp.where(full, FULL, PARTIAL), SKIP).astype(jnp.int32)
-    return kinds, _range_of_true(visit), _range_of_true(visit.transpose(0, 2, 1))
+    return kinds, range_of_true(visit), range_of_true(visit.transpose(0, 2, 1))
 
 
 # ----------------------------------------------------------------------------- kernels

@@ -27,7 +27,7 @@ implementation: "xla" (xla.py, batch-shared block table), "pallas" (pallas.py,
 Triton, per-row tables; interpreted on a CPU host unless `interpret` says otherwise; on a TPU
 backend it resolves to "mosaic", pallas_tpu.py), "auto" = Pallas
 on common.AUTO_PALLAS_BACKENDS (GPU), XLA elsewhere, as for flash_attention. Blocks default to
-flash_attention/ops.py's DEFAULT_BLOCKS of the implementation; L need not be a multiple of them.
+flash_attention/ops.py's `default_blocks` of the implementation; L need not be a multiple of them.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ import jax
 import jax.numpy as jnp
 
 from kernels_pallas.common import pallas_target, resolve_implementation, varying_axes
-from kernels_pallas.flash_attention.ops import DEFAULT_BLOCKS
+from kernels_pallas.flash_attention.ops import default_blocks
 from kernels_pallas.ring_chunk.pallas import chunk_backward_pallas, chunk_forward_pallas
 from kernels_pallas.ring_chunk.pallas_tpu import chunk_backward_mosaic, chunk_forward_mosaic
 from kernels_pallas.ring_chunk.tables import ChunkBlocks, make_chunk_blocks
@@ -94,7 +94,7 @@ def check_interpreter_outside_vma(implementation: str, interpret: bool, q) -> No
 def _setup(q, k, local, implementation, block_q, block_k, interpret) -> tuple[str, ChunkBlocks]:
     implementation, interpret = resolve_chunk_implementation(implementation, interpret)
     check_interpreter_outside_vma(implementation, interpret, q)
-    default = DEFAULT_BLOCKS[implementation]
+    default = default_blocks(implementation, q.dtype)
     blocks = make_chunk_blocks(
         q.shape[1], k.shape[1], q.shape[3],
         default.block_q if block_q is None else block_q,

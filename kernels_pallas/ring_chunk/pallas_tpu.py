@@ -34,6 +34,8 @@ class TableWalk:
 
     geo: Geometry
     kv_heads: int
+    fwd_tables = (0, 1)  # kinds, key-block ranges
+    bwd_tables = (0, 2)  # kinds, query-block ranges
 
     @property
     def fwd_steps(self) -> int:

@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kernels_pallas.common import next_pow2, pad_axis
+from kernels_pallas.common import next_pow2, pad_axis, range_of_true
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 Q_FILL, K_FILL = -1, -2  # ids of the tokens added up to whole blocks; they match nothing
@@ -173,9 +173,4 @@ def shared_kinds(allowed, full, active=True) -> jax.Array:
 def visit_ranges(kinds_BxNxM) -> jax.Array:
     """[B, N, 2] int32: [first, last + 1) of the non-SKIP entries on the last axis; [0, 0) if
     none. The Pallas kernels loop over this range only."""
-    visit = kinds_BxNxM != SKIP
-    m = visit.shape[-1]
-    any_ = visit.any(-1)
-    first = jnp.argmax(visit, axis=-1)
-    last1 = m - jnp.argmax(visit[..., ::-1], axis=-1)
-    return jnp.stack([jnp.where(any_, first, 0), jnp.where(any_, last1, 0)], -1).astype(jnp.int32)
+    return range_of_true(kinds_BxNxM != SKIP)

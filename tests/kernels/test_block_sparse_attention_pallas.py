@@ -262,6 +262,22 @@ def test_block_tables_match_a_brute_force():
     assert sel.sum() > 0 and (~sel).sum() > 0
 
 
+@pytest.mark.parametrize("n, width", [(40, 12), (3000, 400)], ids=["compare-all", "binary-search"])
+def test_true_positions_match_numpy(n, width):
+    """Both ways `true_positions` searches (every rank against every entry for small tables, a
+    binary search for large ones) give numpy's positions of the True entries, ascending, and
+    the axis length past the last one."""
+    rng = np.random.default_rng(n)
+    mask = rng.random((3, 2, n)) < rng.choice([0.0, 0.05, 0.5], size=(3, 2, 1))
+    pos, count = (np.asarray(x) for x in bsa_pallas.true_positions(jnp.asarray(mask), width))
+    assert pos.shape == (3, 2, width) and pos.dtype == np.int32
+    for row, got, c in zip(mask.reshape(-1, n), pos.reshape(-1, width), count.reshape(-1)):
+        want = np.nonzero(row)[0][:width]
+        assert c == row.sum()
+        assert list(got[: len(want)]) == list(want) and (got[len(want):] == n).all()
+    assert count.min() == 0 and count.max() > width
+
+
 def test_dispatch():
     """"pallas" reaches the kernels (interpreted on CPU); "auto" is "xla" on CPU; compiled
     Pallas on CPU is refused with a clear message; compiled blocks must be powers of two."""

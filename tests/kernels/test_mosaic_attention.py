@@ -69,6 +69,8 @@ FLASH_CASES = [
     ("gqa2-causal-128x128-d64", 2, 1, 64, True, 128, 128, SEG_MAIN, jnp.float32),
     ("gqa4-causal-128x256-d128-bf16", 4, 1, 128, True, 128, 256, SEG_MAIN[:1], jnp.bfloat16),
     ("gqa1-noncausal-256x128-d192", 2, 2, 192, False, 256, 128, None, jnp.float32),  # D -> 256
+    # heads side by side ([B, T, H * D]: D is whole lanes), two kv heads
+    ("gqa2-kv2-causal-256x128-d128", 4, 2, 128, True, 256, 128, SEG_MAIN, jnp.float32),
     # a row whose padding fills whole blocks
     ("gqa2-causal-padding-heavy", 2, 1, 64, True, 128, 128, [[120, 1, 10]], jnp.float32),
 ]
@@ -225,6 +227,8 @@ CHUNK_PARAMS = [
     pytest.param(("split-gqa2-d192", 1, 384, 4, 2, 192, 128, False), jnp.float32,
                  id="split-gqa2-d192-f32"),
     pytest.param(("local-gqa2", 1, 384, 2, 1, 64, 128, True), jnp.bfloat16, id="local-gqa2-bf16"),
+    pytest.param(("split-gqa2-d128", 1, 384, 4, 2, 128, 128, False), jnp.float32,
+                 id="split-gqa2-d128-f32"),  # heads side by side
 ]
 
 
@@ -342,6 +346,36 @@ def test_lower_to_mosaic_for_tpu(D):
         lambda q, k, v, s, i, c: block_sparse_attention_mosaic(q, k, v, i, c, s, 128, False),
         q, kv, kv, seg, idx, counts)
     assert module.count("tpu_custom_call") == 3, "expected forward, dQ and dK/dV kernels"
+
+
+@pytest.mark.compiled
+def test_whole_lane_heads_are_not_transposed():
+    """Heads of whole 128-lane tiles go to the kernels side by side, [B, T, H * D], a free
+    reshape: the exported forward + backward has no transpose of q, k, v or their gradients
+    (transposes beside the kernels made most of their TPU compile time). D = 64 keeps the
+    transposed [B, H, T, D] layout."""
+    def transposes(D):
+        q = jax.ShapeDtypeStruct((1, 1024, 8, D), jnp.bfloat16)
+        kv = jax.ShapeDtypeStruct((1, 1024, 2, D), jnp.bfloat16)
+        seg = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+        module = _tpu_kernels(
+            lambda q, k, v, s: flash_tpu.flash_attention_mosaic(q, k, v, s, True, 256, 256, False),
+            q, kv, kv, seg)
+        return [ln for ln in module.splitlines() if "stablehlo.transpose" in ln and "bf16" in ln]
+
+    assert transposes(128) == []
+    assert len(transposes(64)) >= 4  # q, k, v in, and gradients out
+
+
+def test_float32_takes_smaller_default_blocks_on_tpu():
+    """Mosaic blocks default to 512 x 512, 256 x 256 for float32 (its six-pass matmuls
+    compiled 2-3x slower at 512); other implementations keep theirs."""
+    from kernels_pallas.flash_attention.ops import DEFAULT_BLOCKS, BlockSizes, default_blocks
+
+    assert default_blocks("mosaic", jnp.bfloat16) == BlockSizes(512, 512)
+    assert default_blocks("mosaic", jnp.float32) == BlockSizes(256, 256)
+    assert default_blocks("pallas", jnp.float32) == DEFAULT_BLOCKS["pallas"]
+    assert default_blocks("xla", jnp.float32) == DEFAULT_BLOCKS["xla"]
 
 
 def test_dispatch_on_tpu_backend(monkeypatch):
