@@ -81,7 +81,7 @@ def _fwd_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_
             jnp.zeros((bq, Dp), jnp.float32))
     m, l, acc = lax.fori_loop(krange_ref[0], krange_ref[1], body, init)
     l = jnp.where(l == 0.0, 1.0, l)  # no allowed key in this chunk: out 0, lse NEG
-    o_ref[...] = acc / l[:, None]
+    o_ref[...] = (acc / l[:, None]).astype(o_ref.dtype)
     lse_ref[...] = m + jnp.log(l)
 
 
@@ -180,8 +180,8 @@ def _call(kernel, name, grid, in_specs, out_specs, out_shape, blocks: ChunkBlock
 
 
 def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks,
-                         select=None):
-    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair (only the
+                         select=None, out_dtype=jnp.float32):
+    """out [B, Lq, H, D] in out_dtype and lse float32 [B, Lq, H] of one chunk pair (only the
     block pairs `select` [B, K, nq, nk] keeps, if given)."""
     B, _, H, _ = q.shape
     G = H // k.shape[2]
@@ -204,7 +204,7 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
             pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
         ],
-        [_out_struct((B, H, blocks.Lqp, Dp), jnp.float32, qt),
+        [_out_struct((B, H, blocks.Lqp, Dp), out_dtype, qt),
          _out_struct((B, H, blocks.Lqp), jnp.float32, qt)],
         blocks,
     )(kinds, tables.visit_ranges(kinds), *ids, qt, kt, vt)

@@ -91,13 +91,13 @@ def _layouts(q, k, v, geo: Geometry):
 
 
 def chunk_forward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks,
-                         select=None):
-    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair (only the block
-    pairs `select` [B, K, nq, nk] keeps, if given)."""
+                         select=None, out_dtype=jnp.float32):
+    """out [B, Lq, H, D] in out_dtype and lse float32 [B, Lq, H] of one chunk pair (only the
+    block pairs `select` [B, K, nq, nk] keeps, if given)."""
     geo, walk, tables, ids = _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks, select)
     o, lse = mosaic.forward(tables, ids, *_layouts(q, k, v, geo), geo, walk,
-                            out_dtype=jnp.float32)
-    return mosaic.unlayout(o, geo, jnp.float32), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
+                            out_dtype=out_dtype)
+    return mosaic.unlayout(o, geo, out_dtype), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
 
 
 def chunk_backward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,

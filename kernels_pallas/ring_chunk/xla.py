@@ -94,8 +94,9 @@ def _blocked_ids(seg_q, pos_q, seg_k, pos_k, active, blocks: tables.ChunkBlocks)
     return (*blocked, kinds)
 
 
-def chunk_forward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: tables.ChunkBlocks):
-    """out float32 [B, Lq, H, D] and lse float32 [B, Lq, H] of one chunk pair."""
+def chunk_forward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: tables.ChunkBlocks,
+                      out_dtype=jnp.float32):
+    """out [B, Lq, H, D] in out_dtype and lse float32 [B, Lq, H] of one chunk pair."""
     K = k.shape[2]
     sq, pq, sk, pk, kinds = _blocked_ids(seg_q, pos_q, seg_k, pos_k, active, blocks)
     qb = _q_blocks(q, K, blocks.bq, blocks.Lqp) * blocks.scale
@@ -134,7 +135,7 @@ def chunk_forward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: table
         return None, (acc / l[..., None], m + jnp.log(l))
 
     _, (out, lse) = lax.scan(q_block, None, (qb, sq, pq, kinds))
-    return _from_q_blocks(out, blocks.Lq), _from_row_blocks(lse, blocks.Lq)
+    return _from_q_blocks(out, blocks.Lq).astype(out_dtype), _from_row_blocks(lse, blocks.Lq)
 
 
 def chunk_backward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
