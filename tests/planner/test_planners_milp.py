@@ -291,6 +291,34 @@ def test_jaxsb_time_limit_keeps_the_first_packing_and_says_so():
     assert cut.info["lower_bound_ms"] <= full.plan.predicted_ms <= cut.plan.predicted_ms + 1e-6
 
 
+def test_jaxsb_time_limit_bounds_the_whole_solve(monkeypatch):
+    """time_limit_s covers the search and the bound together: on a clock that moves 1 ms at
+    every reading, a search cut by the limit leaves the bound no later deadline than the
+    limit's end (it used to give the bound up to min(limit, 2 s) more after the cut)."""
+    import types
+
+    import jaxsb.planner.bound as bound_module
+    import jaxsb.planner.joint as joint_module
+
+    ticks = itertools.count()
+    clock = types.SimpleNamespace(perf_counter=lambda: next(ticks) * 1e-3)
+    monkeypatch.setattr(joint_module, "time", clock)
+    monkeypatch.setattr(bound_module, "time", clock)
+    deadlines = []
+    real_at = bound_module.CountBounds.at
+    monkeypatch.setattr(bound_module.CountBounds, "at",
+                        lambda self, M: deadlines.append(self.deadline) or real_at(self, M))
+    rng = np.random.default_rng(1)
+    cost = load_preset("flexsp-a100:gpt-7b", num_devices=64, max_len=192000)
+    lengths = random_batch(rng, 512, 64, mean=1000, max_len=150000)
+    limit = 0.03  # 30 readings of the clock: the search reads it more often
+    start = clock.perf_counter()
+    cut = JaxsbPlanner(cost, 64, time_limit_s=limit).solve(lengths)
+    check_feasible(cost, cut.plan, lengths)
+    assert cut.info["time_limit_hit"] is True
+    assert deadlines and max(deadlines) <= start + limit + 1e-3
+
+
 @pytest.mark.parametrize("make", [lambda c: JaxsbPlanner(c, 4), lambda c: FlexSPPlanner(c, 4)])
 def test_sequence_too_long_for_all_devices(make):
     cost = tiny_cost()
