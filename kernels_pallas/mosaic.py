@@ -148,7 +148,8 @@ def head_struct(B: int, N: int, T_pad: int, geo: Geometry, dtype, like):
 
 
 def head_spec(rows: int, geo: Geometry, index):
-    """BlockSpec of one head's [rows, Dm] block; index(*grid, *tables) -> (row, head, row block)."""
+    """BlockSpec of one head's [rows, Dm] block; index(*grid, *tables) -> (batch row, head,
+    block along the tokens)."""
     if geo.interleaved:
         return pl.BlockSpec((None, rows, geo.Dm), lambda *a: _bnr(*index(*a)))
     return pl.BlockSpec((None, None, rows, geo.Dm), lambda *a: _brn(*index(*a)))
@@ -283,7 +284,7 @@ class _Reads:
     and its index maps see the full tuple again, None where a table was not passed. A walk
     names the tables its forward / backward read as `fwd_tables` / `bwd_tables` (default:
     all), so the forward does not take, and a forward-only program does not compute or
-    compile, the backward's tables (block-sparse: the sorted pair codes)."""
+    compile, the backward's tables (block-sparse: the pair codes)."""
 
     walk: object
     which: tuple
