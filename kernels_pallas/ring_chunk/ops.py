@@ -182,9 +182,10 @@ def merge_chunks(out_a, lse_a, out_b, lse_b):
     return wa * out_a + wb * out_b, lse
 
 
-# The op's output is written in q's dtype by the kernels themselves (a float32 output and a
-# cast were one more pass, and 0.15 s of a TPU compile's 0.7 s); the backward's delta is
-# rowsum(dO * O) of that output, as FlashAttention-2 computes it.
+# The op's output and gradients are written in the inputs' dtypes by the kernels themselves
+# (float32 arrays and casts were one more pass each; the output's cast was 0.15 s of a 0.7 s
+# TPU compile); the backward's delta is rowsum(dO * O) of that output, as FlashAttention-2
+# computes it. The ring's rounds keep float32 (forward_with_blocks / backward_with_blocks).
 @functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8))
 def _chunk(q, k, v, seg_q, pos_q, seg_k, pos_k, impl, blocks):
     return _FORWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, True, blocks, out_dtype=q.dtype)
@@ -199,9 +200,9 @@ def _chunk_bwd(impl, blocks, res, cts):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     do, dlse = cts
     delta = (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1) - dlse  # d lse / d s = p
-    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta,
-                                           True, blocks)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None
+    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, True,
+                                 blocks, grad_dtype=q.dtype)
+    return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None  # no-ops if alike
 
 
 _chunk.defvjp(_chunk_fwd, _chunk_bwd)

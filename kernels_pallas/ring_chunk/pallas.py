@@ -106,7 +106,7 @@ def _dq_kernel(kinds_ref, krange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_r
         return unless_skip(kinds_ref[ki], SKIP, functools.partial(update, ki=ki), dq)
 
     dq = lax.fori_loop(krange_ref[0], krange_ref[1], body, jnp.zeros((bq, Dp), jnp.float32))
-    dq_ref[...] = dq * blocks.scale
+    dq_ref[...] = (dq * blocks.scale).astype(dq_ref.dtype)
 
 
 def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_ref, v_ref,
@@ -135,8 +135,9 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_
         return lax.fori_loop(qrange_ref[0], qrange_ref[1], body, carry)
 
     zeros = jnp.zeros((bk, Dp), jnp.float32)
-    dk, dv_ref[...] = lax.fori_loop(0, G, per_head, (zeros, zeros))
-    dk_ref[...] = dk * blocks.scale
+    dk, dv = lax.fori_loop(0, G, per_head, (zeros, zeros))
+    dk_ref[...] = (dk * blocks.scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv.astype(dv_ref.dtype)
 
 
 # ----------------------------------------------------------------------------- pallas_calls
@@ -212,8 +213,8 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
 
 
 def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                          blocks: ChunkBlocks, select=None):
-    """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
+                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32):
+    """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
     lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
     B, _, H, _ = q.shape
     K = k.shape[2]
@@ -240,7 +241,7 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
             pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),
             q_ids, q_ids, k_ids, k_ids, q_blk, kv_all, kv_all, q_blk, q_row, q_row,
         ],
-        q_blk, _out_struct((B, H, Lqp, Dp), jnp.float32, qt), blocks,
+        q_blk, _out_struct((B, H, Lqp, Dp), grad_dtype, qt), blocks,
     )(kinds, k_range, *ids, qt, kt, vt, dot_, lse_t, delta_t)
 
     # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
@@ -259,7 +260,7 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
             q_all, kv_blk, kv_blk, q_all, rows_all, rows_all,
         ],
         [kv_blk, kv_blk],
-        [_out_struct((B, K, Lkp, Dp), jnp.float32, kt)] * 2,
+        [_out_struct((B, K, Lkp, Dp), grad_dtype, kt)] * 2,
         blocks,
     )(kinds_t, q_range, *ids, grouped(qt), kt, vt, grouped(dot_),
       grouped(lse_t), grouped(delta_t))

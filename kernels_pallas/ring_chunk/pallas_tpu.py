@@ -101,8 +101,8 @@ def chunk_forward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
 
 
 def chunk_backward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                          blocks: ChunkBlocks, select=None):
-    """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
+                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32):
+    """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
     lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
     geo, walk, tables, ids = _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks, select)
 
@@ -111,8 +111,8 @@ def chunk_backward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
 
     dq, dk, dv = mosaic.backward(tables, ids, *_layouts(q, k, v, geo),
                                  mosaic.layout(do, geo.Tq, geo), rows(lse), rows(delta), geo,
-                                 walk, grad_dtype=jnp.float32)
-    return (mosaic.unlayout(dq, geo, jnp.float32),
-            mosaic.unlayout(dk, geo, jnp.float32, blocks.Lk),
-            mosaic.unlayout(dv, geo, jnp.float32, blocks.Lk))
+                                 walk, grad_dtype=grad_dtype)
+    return (mosaic.unlayout(dq, geo, grad_dtype),
+            mosaic.unlayout(dk, geo, grad_dtype, blocks.Lk),
+            mosaic.unlayout(dv, geo, grad_dtype, blocks.Lk))
 

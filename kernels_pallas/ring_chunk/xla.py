@@ -139,8 +139,8 @@ def chunk_forward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: table
 
 
 def chunk_backward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                       blocks: tables.ChunkBlocks):
-    """float32 dq [B, Lq, H, D], dk and dv [B, Lk, K, D] of one chunk pair, given the global
+                       blocks: tables.ChunkBlocks, grad_dtype=jnp.float32):
+    """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
     lse and delta = rowsum(dO * O) [B, Lq, H] of the queries."""
     K = k.shape[2]
     sq, pq, sk, pk, kinds = _blocked_ids(seg_q, pos_q, seg_k, pos_k, active, blocks)
@@ -184,4 +184,5 @@ def chunk_backward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, acti
 
     dq, (dk, dv) = lax.scan(k_block, _full(qb, qb.shape), (kb_all, vb_all, sk, pk, kinds.T))
     dq = _from_q_blocks(dq, blocks.Lq) * blocks.scale
-    return dq, _from_kv_blocks(dk, blocks.Lk), _from_kv_blocks(dv, blocks.Lk)
+    return tuple(x.astype(grad_dtype) for x in
+                 (dq, _from_kv_blocks(dk, blocks.Lk), _from_kv_blocks(dv, blocks.Lk)))
