@@ -133,7 +133,7 @@ class ModelConfig:
     # "auto" (Pallas on GPU, XLA elsewhere) | sparse: routed block-sparse (see `sparse`) |
     # reference: dense jnp oracle | jax: jax.nn.dot_product_attention (the naive baseline)
     attention: str = "xla"
-    attention_block: int = 256
+    attention_block: int = 256  # the XLA kernel's q / k block ("flash" on GPU: the kernels' own)
     sparse: SparseConfig = SparseConfig()
     init: str = "scratch"  # scratch | smollm2-135m | hf:/path/to/dir
     init_std: float = 0.02

@@ -60,7 +60,8 @@ def attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
 
     `implementation` is `ModelConfig.attention` ("xla" blocked online softmax, "flash" the
     kernel's "auto" choice, "reference" dense oracle, "jax" `jax.nn.dot_product_attention` with an explicit mask, the baseline of
-    scripts/bench_train.py); `block` is `ModelConfig.attention_block`, used for both q and k blocks.
+    scripts/bench_train.py); `block` is `ModelConfig.attention_block`, used for both q and k blocks
+    of the XLA kernel (also "flash" where it runs XLA; its Pallas kernels keep their own).
     """
     heads, kv_heads = q_BxTxHxD.shape[2], k_BxTxKxD.shape[2]
     if heads % kv_heads:
@@ -70,9 +71,18 @@ def attend(q_BxTxHxD: jax.Array, k_BxTxKxD: jax.Array, v_BxTxKxD: jax.Array,
     if implementation == "flash":
         implementation = "auto"  # Pallas on GPU, the blocked XLA kernel elsewhere
     flash_attention = _kernel()
+    # `block` is the XLA kernel's; where "auto" picks Pallas, its kernels keep their own tiles
+    # (the default 256 x 256 as a Triton tile asked an H100 for 576 KB of shared memory, of 227)
+    blocks = {} if implementation == "auto" and _auto_is_pallas() else dict(block_q=block, block_k=block)
     # segment ids go positionally: the kernel names that parameter `segment_ids_BxT`
     return flash_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT, causal=True,
-                           implementation=implementation, block_q=block, block_k=block)
+                           implementation=implementation, **blocks)
+
+
+def _auto_is_pallas() -> bool:
+    from kernels_pallas.common import resolve_implementation
+
+    return resolve_implementation("auto", None)[0] == "pallas"
 
 
 def _jax_dot_product_attention(q_BxTxHxD, k_BxTxKxD, v_BxTxKxD, segment_ids_BxT):

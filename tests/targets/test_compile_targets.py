@@ -122,6 +122,17 @@ def _compile_cli(tmp_path, *args):
                           cwd=REPO, capture_output=True, text=True, timeout=900)
 
 
+def test_flash_attention_train_step_compiles_for_gpu(tmp_path, session_bpe):
+    """`model.attention=flash` on a GPU target runs the Triton kernels with their own tiles:
+    the model's attention_block (256, the XLA kernel's) as a Triton tile asked an H100 for
+    576 KB of shared memory and did not compile."""
+    _default_cfg(tmp_path, session_bpe)
+    proc = _compile_cli(tmp_path, "--target", "gpu-h100:8", "--steps", "1",
+                        "--set", "model.attention=flash", "--set", "data.tokens_per_step=2048")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert "gpu-h100:8: 1 programs, 1 fit" in proc.stdout
+
+
 def test_compile_cli_prints_the_table(tmp_path, session_bpe):
     """docs/compile.md's command (tiny settings: the sparse model, its block-sparse kernels)."""
     _default_cfg(tmp_path, session_bpe)  # the session's BPE in the workdir
