@@ -198,17 +198,28 @@ def pallas_target() -> str:
     return "mosaic" if target_backend() == "tpu" else "triton"
 
 
-def triton_compiler_params(interpret: bool):
+# A program whose float32 score tile has this many elements or more runs on eight warps, not
+# four. At four, ptxas took 1.5-3x longer on the 128 x 64 (and 128 x 128, 64 x 64) tiles of the
+# three kernels (flash fwd + bwd, T = 4096, D = 128, bf16, H100: 1.50 s -> 0.89 s; D = 64:
+# 1.05 -> 0.73 s; kernels_pallas/compile_times.md), as each thread held twice the tile. JAX's
+# own Triton attention (`pallas.ops.gpu.attention.mha`) runs its 128 x 128 forward on eight warps
+# at D > 64 and its 32 x 32 backward on four.
+EIGHT_WARPS_TILE_ELEMENTS = 64 * 64
+
+
+def triton_compiler_params(interpret: bool, tile_elements: int):
     """Compiled Pallas on GPU goes through the Triton lowering, chosen explicitly: in this JAX
     jax_pallas_use_mosaic_gpu defaults to True, and a pallas_call without compiler params would
     go to Mosaic GPU (Hopper+ only; see flash_attention/README.md). Chosen whenever the kernel
     is compiled, not from jax.default_backend(): a program may be lowered for a platform other
-    than the host's (jax.export, ahead-of-time compilation)."""
+    than the host's (jax.export, ahead-of-time compilation). tile_elements: rows x columns of
+    the program's score tile (EIGHT_WARPS_TILE_ELEMENTS)."""
     if interpret:
         return None
     from jax.experimental.pallas import triton as pltriton
 
-    return pltriton.CompilerParams(num_warps=4, num_stages=2)
+    num_warps = 8 if tile_elements >= EIGHT_WARPS_TILE_ELEMENTS else 4
+    return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
 
 
 _STRUCT_PARAMS = inspect.signature(jax.ShapeDtypeStruct).parameters

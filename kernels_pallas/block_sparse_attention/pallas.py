@@ -23,9 +23,9 @@ kernels: flash_attention/pallas.py), all other arithmetic float32:
     sharing the kv head and over the query blocks in its block's bwd table row, tile by tile.
 delta = rowsum(dO * O) is done in jnp before the backward kernels.
 
-Tiles: a routing block of bs tokens is one tile (nsub = 1: no inner loop) unless its float32
-operands would overflow a GPU's shared memory; then it is split into nsub = bs / tile tiles
-(`sub_tile`), the routing unchanged. On the diagonal block the wholly masked tiles are
+Tiles: a routing block of bs tokens is one tile (nsub = 1: no inner loop) unless its q / k tile
+would exceed MAX_TILE_BYTES (float32 overflows a GPU's shared memory, large bf16 tiles compile
+slowly); then it is split into nsub = bs / tile tiles (`sub_tile`), the routing unchanged. On the diagonal block the wholly masked tiles are
 skipped: key tiles after the query tile's own (forward, dQ), query tiles before the key tile's
 own (dK/dV).
 
@@ -88,19 +88,21 @@ class SparseTritonBlocks:
         return 1.0 / math.sqrt(self.D)
 
 
-# Elements of a float32 q / k tile at most (rows x padded head dim). Triton stages float32
+# Bytes of a q / k tile at most (rows x padded head dim x itemsize). Triton stages float32
 # (3xTF32) dot operands in shared memory at about twice the bytes of bf16: a 128 x 128 float32
 # tile asks for 394 KB on H100 (227 KB there, 163 KB on A100) and 64 x 128 still 262 KB in the
-# backward, while 64 x 64 and 32 x 128 fit on both (scripts/compile_kernels.py).
-F32_MAX_TILE_ELEMENTS = 64 * 64
+# backward, while 64 x 64 and 32 x 128 fit on both (scripts/compile_kernels.py). A bf16 block of
+# 128 x 128 fits, but compiled 1.5x slower than as two 64-row tiles (fwd + bwd, T = 4096, H100:
+# 1.19 s against 0.79 s; JAX's own Triton attention: 0.59 s).
+MAX_TILE_BYTES = 64 * 64 * 4
 
 
 def sub_tile(block_size: int, itemsize: int, Dp: int) -> int:
-    """The kernels' tile rows for a routing block of head dim Dp: the whole block for 2-byte
-    inputs; for wider ones the largest power-of-two divisor of the block within
-    F32_MAX_TILE_ELEMENTS, at least 16 rows (Triton's smallest dot)."""
+    """The kernels' tile rows for a routing block of head dim Dp: the largest power-of-two
+    divisor of the block whose q / k tile is within MAX_TILE_BYTES, at least 16 rows (Triton's
+    smallest dot)."""
     tile = block_size
-    while itemsize > 2 and tile % 2 == 0 and tile // 2 >= 16 and tile * Dp > F32_MAX_TILE_ELEMENTS:
+    while tile % 2 == 0 and tile // 2 >= 16 and tile * Dp * itemsize > MAX_TILE_BYTES:
         tile //= 2
     return tile
 
@@ -330,7 +332,7 @@ def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
             jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
         ],
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_fwd",
     )(fwd_tab, seg_p, seg_p, _layout(q, blocks), _layout(k, blocks), _layout(v, blocks))
 
@@ -364,7 +366,7 @@ def _backward(blocks: SparseTritonBlocks, res, do):
         out_specs=pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_dq",
     )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
 
@@ -394,7 +396,7 @@ def _backward(blocks: SparseTritonBlocks, res, do):
             jax.ShapeDtypeStruct((B, K, Tp, Dp), v.dtype),
         ],
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_dkv",
     )(bwd_tab, seg_p, seg_p, grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta))
     return (
@@ -427,8 +429,8 @@ def block_sparse_attention_pallas(
     """Arguments are assumed checked (see ops.block_sparse_attention).
 
     interpret=True runs the kernels in the Pallas interpreter (any backend, e.g. CPU tests).
-    tile: the kernels' tile rows (default sub_tile: the whole block, split for float32 within
-    F32_MAX_TILE_ELEMENTS); the result does not depend on it beyond rounding (the
+    tile: the kernels' tile rows (default sub_tile: the whole block, split within
+    MAX_TILE_BYTES); the result does not depend on it beyond rounding (the
     online softmax adds the tiles in another grouping).
     """
     B, T, _, D = q.shape

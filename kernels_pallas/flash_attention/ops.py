@@ -53,12 +53,18 @@ DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64),
 # D = 128, v5p: 2.0 s; 1.2 s at 256 x 256). Six passes give a 256 x 256 step more MXU work
 # than a 512 x 512 bf16 step, so the ~0.35 us per grid step stays small beside it.
 MOSAIC_FLOAT32_BLOCKS = BlockSizes(256, 256)
+# float32 on GPU: each matmul is three TF32 tensor-core passes (common.triton_dot), and at
+# 128 x 64 the float32 backward took 4-6 s to compile for A100 (fwd + bwd, T = 4096: D = 64
+# 4.3 s, D = 128 5.9 s; 1.2 s and 2.3 s at 64 x 32; JAX's own Triton attention 2.3 s at D = 64,
+# refused at D = 128). bf16 keeps 128 x 64.
+TRITON_FLOAT32_BLOCKS = BlockSizes(64, 32)
+FLOAT32_BLOCKS = {"mosaic": MOSAIC_FLOAT32_BLOCKS, "pallas": TRITON_FLOAT32_BLOCKS}
 
 
 def default_blocks(implementation: str, dtype) -> BlockSizes:
     """The blocks an implementation takes when the caller names none, for inputs of dtype."""
-    if implementation == "mosaic" and jnp.dtype(dtype) == jnp.float32:
-        return MOSAIC_FLOAT32_BLOCKS
+    if jnp.dtype(dtype) == jnp.float32 and implementation in FLOAT32_BLOCKS:
+        return FLOAT32_BLOCKS[implementation]
     return DEFAULT_BLOCKS[implementation]
 
 

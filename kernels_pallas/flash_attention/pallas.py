@@ -284,7 +284,7 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
             jax.ShapeDtypeStruct((B, H, blocks.Tq), jnp.float32),
         ],
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_fwd",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
     return o, lse, (kinds, k_range, q_range)
@@ -319,7 +319,7 @@ def _backward(blocks: FlashTritonBlocks, res, do):
         out_specs=pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
         out_shape=jax.ShapeDtypeStruct((B, H, Tq, Dp), q.dtype),
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_dq",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
 
@@ -349,7 +349,7 @@ def _backward(blocks: FlashTritonBlocks, res, do):
             jax.ShapeDtypeStruct((B, K, Tk, Dp), v.dtype),
         ],
         interpret=blocks.interpret,
-        compiler_params=triton_compiler_params(blocks.interpret),
+        compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_dkv",
     )(
         kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,

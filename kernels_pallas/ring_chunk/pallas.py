@@ -176,7 +176,7 @@ def _tables(seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks, K: int, sel
 def _call(kernel, name, grid, in_specs, out_specs, out_shape, blocks: ChunkBlocks):
     return pl.pallas_call(
         kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
-        interpret=blocks.interpret, compiler_params=triton_compiler_params(blocks.interpret),
+        interpret=blocks.interpret, compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name=name)
 
 

@@ -86,8 +86,8 @@ class TestBlockSparseAttentionPallas:
         (CASES[1], 16, jnp.float32), (CASES[2], 16, jnp.float32), (CASES[2], 32, jnp.bfloat16),
     ], ids=["bs32-tile16-f32", "bs64-tile16-f32", "bs64-tile32-bf16"])
     def test_sub_tiles_match_reference(self, case, tile, dtype):
-        """A routing block split into tiles (as float32 is on GPU, bsa_pallas.sub_tile: its
-        shared memory) computes the same attention and gradients: diagonal blocks skip the
+        """A routing block split into tiles (as wide ones are on GPU, bsa_pallas.sub_tile)
+        computes the same attention and gradients: diagonal blocks skip the
         masked tiles, every other selected block is walked tile by tile."""
         _, H, K, D, bs, budgets, M = case
         B = len(SEG_MAIN)
@@ -299,11 +299,12 @@ def test_dispatch():
         bsa_pallas.make_sparse_triton_blocks(75, 16, 64, interpret=False, tile=48)
 
 
-def test_float32_tiles_fit_gpu_shared_memory():
-    """2-byte inputs keep the whole routing block as one tile; float32 splits a block into
-    power-of-two tiles of at most F32_MAX_TILE_ELEMENTS (a 128 x 128 or 64 x 128 float32 tile
-    exceeds H100's and A100's shared memory), never below 16 rows."""
-    assert [bsa_pallas.sub_tile(bs, 2, 128) for bs in (16, 64, 128, 256)] == [16, 64, 128, 256]
+def test_tiles_stay_within_max_tile_bytes():
+    """A routing block splits into power-of-two tiles of at most MAX_TILE_BYTES (a 128 x 128 or
+    64 x 128 float32 tile exceeds H100's and A100's shared memory; a 128 x 128 bf16 tile compiles
+    slowly), never below 16 rows."""
+    assert [bsa_pallas.sub_tile(bs, 2, 64) for bs in (16, 64, 128, 256)] == [16, 64, 128, 128]
+    assert [bsa_pallas.sub_tile(bs, 2, 128) for bs in (16, 64, 128, 256)] == [16, 64, 64, 64]
     assert [bsa_pallas.sub_tile(bs, 4, 64) for bs in (16, 64, 128, 256)] == [16, 64, 64, 64]
     assert [bsa_pallas.sub_tile(bs, 4, 128) for bs in (16, 64, 128, 256)] == [16, 32, 32, 32]
     assert bsa_pallas.sub_tile(128, 4, 512) == 16 and bsa_pallas.sub_tile(24, 4, 256) == 24  # interpreter-only blocks
