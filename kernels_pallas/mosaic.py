@@ -34,12 +34,13 @@ dim is a whole block dimension. A head of whole 128-lane tiles (D = 128, 256, ..
 where the caller has it, heads side by side in [B, T, H * D] (a free reshape of [B, T, H, D];
 block (bq, D) at column block h); other head dims are transposed to [B, H, T, Dm] (padded to a
 multiple of 128 above 128) and back (`layout`, `Geometry.interleaved`): those transposes made
-most of a kernel's TPU compile time. Per-row statistics are
-held lane-replicated as [rows, 128] (the running max and sum in VMEM scratch, the log-sum-exp
-output, sliced to [B, H, T] at once), as [1, T] rows turned into columns in the kernel (lse
-and delta in dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs them as a row
-(it works on the transposed scores k @ q.T, so that dV += p.T @ dO and dK += dS.T @ q are plain
-matmuls). Segment ids come twice for the same reason: lane-replicated [B, T, 128] (a column
+most of a kernel's TPU compile time. Per-row statistics are held lane-replicated as [rows, 128]
+(the running max and sum in VMEM scratch; the log-sum-exp output, sliced to [B, H, T] at once;
+delta = rowsum(dO * O), which the dQ kernel computes and writes, as that row sum over
+[B, T, H * D] compiled slowly in XLA), as [1, T] rows turned into columns in the kernel (lse in
+dQ), or sublane-replicated as [8, cols] where the dK/dV kernel needs them as a row (it works on
+the transposed scores k @ q.T, so that dV += p.T @ dO and dK += dS.T @ q are plain matmuls).
+Segment ids come twice for the same reason: lane-replicated [B, T, 128] (a column
 per block) and sublane-replicated [B, 8, T] (a row).
 
 The tables live in SMEM (1 MiB per core on TPU v4 to v6e); `check_smem` refuses tables over
@@ -161,14 +162,6 @@ def _bnr(b, n, r):
 
 def _brn(b, n, r):
     return b, n, r, 0
-
-
-def row_sums(a, b, geo: Geometry):
-    """rowsum(a * b) in float32 of two arrays in the kernels' layout -> [B, N, T_pad]."""
-    prod = a.astype(jnp.float32) * b.astype(jnp.float32)
-    if geo.interleaved:
-        return prod.reshape(*prod.shape[:2], -1, geo.Dm).sum(-1).transpose(0, 2, 1)
-    return prod.sum(-1)
 
 
 def lanes(x_BxT):
@@ -411,15 +404,28 @@ def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
 # ----------------------------------------------------------------------------- backward
 
 
-def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
-    tables, ids, (q_ref, k_ref, v_ref, do_ref, lse_ref, delta_ref, dq_ref, dq_scr) = _split(
-        refs, ntab, geo)
+def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int, has_o: bool, has_delta: bool):
+    """dQ of one query block, and its delta = rowsum(dO * O) (+ the given delta rows) as a
+    lane-replicated [bq, 128] output, computed at the block's first step and read by its
+    steps and by the dK/dV kernel."""
+    tables, ids, (q_ref, k_ref, v_ref, do_ref, *rest) = _split(refs, ntab, geo)
+    o_ref = rest.pop(0) if has_o else None
+    lse_ref = rest.pop(0)
+    delta_in = rest.pop(0) if has_delta else None
+    dq_ref, delta_ref, dq_scr = rest
     b, h, i, j = (pl.program_id(a) for a in range(4))
     kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
 
     @pl.when(j == 0)
     def _init():
         dq_scr[...] = jnp.zeros(dq_scr.shape, jnp.float32)
+        delta = jnp.zeros((geo.bq, 1), jnp.float32)
+        if has_o:
+            prod = do_ref[...].astype(jnp.float32) * o_ref[...].astype(jnp.float32)
+            delta = delta + prod.sum(-1, keepdims=True)
+        if has_delta:
+            delta = delta + jnp.expand_dims(delta_in[0], -1)  # row [1, bq] -> column
+        delta_ref[...] = jnp.broadcast_to(delta, delta_ref.shape)
 
     def update():
         k = k_ref[...]
@@ -428,7 +434,7 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         # `where`, never a product: exp of a masked score may overflow
         p = jnp.where(_mask(ids, i * geo.bq, kb * geo.bk, True, geo), p, 0.0)
         dp = _mm(do_ref[...], v_ref[...], NT)
-        ds = p * (dp - jnp.expand_dims(delta_ref[0], -1))
+        ds = p * (dp - _widen(delta_ref[...], geo.bk))
         dq_scr[...] += _mm(ds.astype(k.dtype), k, NN)
 
     _unless_skip(kind, update)
@@ -481,9 +487,16 @@ def _dkv_kernel(*refs, geo: Geometry, walk, G: int, ntab: int):
         dv_ref[...] = dv_scr[...].astype(dv_ref.dtype)
 
 
-def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, grad_dtype=None):
-    """Cotangent do_t (layout of q), lse and delta = rowsum(dO * O) float32 [B, H, Tq] -> dq,
-    dk, dv in the kernels' layout, in grad_dtype (default: q's, k's, v's)."""
+def backward(tables, ids, qt, kt, vt, do_t, lse, geo: Geometry, walk, grad_dtype=None, *,
+             o_t=None, delta=None):
+    """Cotangent do_t (layout of q) and lse float32 [B, H, Tq] -> dq, dk, dv in the kernels'
+    layout, in grad_dtype (default: q's, k's, v's). delta = rowsum(dO * O) is computed by the dQ
+    kernel from o_t, the output in q's layout, plus `delta` float32 [B, H, Tq] when given; or
+    is `delta` alone (the ring's, of its merged output). In XLA, that row sum over heads side by
+    side ([B, T, H * D]) took a third of a TPU fwd + bwd program's compile (the chunk op,
+    T = 4096, D = 128, bf16, v5p: 1.85 s, 1.1 s without it)."""
+    if o_t is None and delta is None:
+        raise ValueError("backward needs the output o_t, a delta, or both")
     B, H, K = qt.shape[0], heads(qt, geo), heads(kt, geo)
     G = H // K
     bq, bk, Dm = geo.bq, geo.bk, geo.Dm
@@ -492,8 +505,12 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, gra
 
     q_index, sq_map, kv_index, sk_map = _fwd_maps(walk_fwd, G, geo)
     row_map = lambda b, h, i, j, *t: (b, h, 0, i)  # noqa: E731
-    dq = pl.pallas_call(
-        functools.partial(_dq_kernel, geo=geo, walk=walk_fwd, G=G, ntab=len(fwd_tables)),
+    row_spec = pl.BlockSpec((None, None, 1, bq), row_map)  # [B, H, 1, Tq]: a row per block
+    o_in = [] if o_t is None else [o_t]
+    delta_in = [] if delta is None else [delta[:, :, None]]
+    dq, delta_lanes = pl.pallas_call(
+        functools.partial(_dq_kernel, geo=geo, walk=walk_fwd, G=G, ntab=len(fwd_tables),
+                          has_o=o_t is not None, has_delta=delta is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=len(fwd_tables),
             grid=(B, H, geo.nq, walk.fwd_steps),
@@ -503,17 +520,20 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, gra
                 head_spec(bk, geo, kv_index),  # k
                 head_spec(bk, geo, kv_index),  # v
                 head_spec(bq, geo, q_index),  # do
-                pl.BlockSpec((None, None, 1, bq), row_map),  # lse, a row
-                pl.BlockSpec((None, None, 1, bq), row_map),  # delta
+                *[head_spec(bq, geo, q_index)] * len(o_in),  # o
+                row_spec,  # lse
+                *[row_spec] * len(delta_in),  # delta
             ],
-            out_specs=head_spec(bq, geo, q_index),
+            out_specs=[head_spec(bq, geo, q_index),
+                       pl.BlockSpec((None, None, bq, LANES), lambda *a: _brn(*q_index(*a)))],
             scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
         ),
-        out_shape=head_struct(B, H, geo.Tq, geo, grad_dtype or qt.dtype, qt),
+        out_shape=[head_struct(B, H, geo.Tq, geo, grad_dtype or qt.dtype, qt),
+                   out_struct((B, H, geo.Tq, LANES), jnp.float32, qt)],
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dq",
-    )(*fwd_tables, *_id_inputs(ids, True), qt, kt, vt, do_t, lse[:, :, None], delta[:, :, None])
+    )(*fwd_tables, *_id_inputs(ids, True), qt, kt, vt, do_t, *o_in, lse[:, :, None], *delta_in)
 
     # dK/dV: grid (B, K, walk.bwd_outer, walk.bwd_steps * G), see `_dkv_step`.
     def step_of(b, kvh, outer, step, *t):
@@ -557,7 +577,7 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, delta, geo: Geometry, walk, gra
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dkv",
-    )(*tables, *_id_inputs(ids, False), qt, kt, vt, do_t, rows8(lse), rows8(delta))
+    )(*tables, *_id_inputs(ids, False), qt, kt, vt, do_t, rows8(lse), rows8(delta_lanes[..., 0]))
     return dq, dk, dv
 
 
@@ -590,10 +610,8 @@ def _attention_fwd(q, k, v, seg_BxT, tables, geo, walk):
 
 def _attention_bwd(geo, walk, res, do):
     q, k, v, seg_BxT, tables, o, lse = res
-    do_t = layout(do, geo.Tq, geo)
-    delta = row_sums(do_t, o, geo)  # [B, H, Tq]
-    dq, dk, dv = backward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo), do_t, lse,
-                          delta, geo, walk)
+    dq, dk, dv = backward(tables, edge_ids(seg_BxT, geo), *_layouts(q, k, v, geo),
+                          layout(do, geo.Tq, geo), lse, geo, walk, o_t=o)
     grads = (unlayout(g, geo, x.dtype) for g, x in ((dq, q), (dk, k), (dv, v)))
     return (*grads, None, None)
 

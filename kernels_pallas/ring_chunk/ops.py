@@ -199,9 +199,9 @@ def _chunk_fwd(q, k, v, seg_q, pos_q, seg_k, pos_k, impl, blocks):
 def _chunk_bwd(impl, blocks, res, cts):
     q, k, v, seg_q, pos_q, seg_k, pos_k, out, lse = res
     do, dlse = cts
-    delta = (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1) - dlse  # d lse / d s = p
-    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, True,
-                                 blocks, grad_dtype=q.dtype)
+    # delta = rowsum(dO * out) - dlse (d lse / d s = p), the row sum taken by each backward
+    dq, dk, dv = _BACKWARD[impl](q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, -dlse, True,
+                                 blocks, grad_dtype=q.dtype, out=out)
     return dq, dk.astype(k.dtype), dv.astype(v.dtype), None, None, None, None  # no-ops if alike
 
 

@@ -213,9 +213,11 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
 
 
 def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32):
+                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32, out=None):
     """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
-    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward,
+    `out`: tables.output_delta)."""
+    delta = tables.output_delta(do, out, delta)
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K

@@ -101,17 +101,19 @@ def chunk_forward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
 
 
 def chunk_backward_mosaic(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32):
+                          blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32, out=None):
     """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
-    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward)."""
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`select` as in the forward;
+    `out` as tables.output_delta says, its row sum taken by the dQ kernel)."""
     geo, walk, tables, ids = _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks, select)
 
     def rows(x_BxLxH):  # [B, Lq, H] -> float32 [B, H, Tq]
         return pad_axis(x_BxLxH.astype(jnp.float32), 1, geo.Tq).transpose(0, 2, 1)
 
+    o_t = None if out is None else mosaic.layout(out, geo.Tq, geo)
     dq, dk, dv = mosaic.backward(tables, ids, *_layouts(q, k, v, geo),
-                                 mosaic.layout(do, geo.Tq, geo), rows(lse), rows(delta), geo,
-                                 walk, grad_dtype=grad_dtype)
+                                 mosaic.layout(do, geo.Tq, geo), rows(lse), geo, walk,
+                                 grad_dtype=grad_dtype, o_t=o_t, delta=rows(delta))
     return (mosaic.unlayout(dq, geo, grad_dtype),
             mosaic.unlayout(dk, geo, grad_dtype, blocks.Lk),
             mosaic.unlayout(dv, geo, grad_dtype, blocks.Lk))

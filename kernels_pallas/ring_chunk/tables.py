@@ -174,3 +174,12 @@ def visit_ranges(kinds_BxNxM) -> jax.Array:
     """[B, N, 2] int32: [first, last + 1) of the non-SKIP entries on the last axis; [0, 0) if
     none. The Pallas kernels loop over this range only."""
     return range_of_true(kinds_BxNxM != SKIP)
+
+
+def output_delta(do, out, delta):
+    """float32 [B, L, H]: delta plus rowsum(dO * out) when the chunk's own output `out`
+    [B, L, H, D] is given (the chunk op's vjp passes it with minus its lse cotangent), else
+    delta (the ring's, of its merged output). The Mosaic kernels take `out` themselves."""
+    if out is None:
+        return delta
+    return delta + (do.astype(jnp.float32) * out.astype(jnp.float32)).sum(-1)

@@ -139,10 +139,11 @@ def chunk_forward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: table
 
 
 def chunk_backward_xla(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
-                       blocks: tables.ChunkBlocks, grad_dtype=jnp.float32):
+                       blocks: tables.ChunkBlocks, grad_dtype=jnp.float32, out=None):
     """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
-    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries."""
+    lse and delta = rowsum(dO * O) [B, Lq, H] of the queries (`out`: tables.output_delta)."""
     K = k.shape[2]
+    delta = tables.output_delta(do, out, delta)
     sq, pq, sk, pk, kinds = _blocked_ids(seg_q, pos_q, seg_k, pos_k, active, blocks)
     qb = _q_blocks(q, K, blocks.bq, blocks.Lqp) * blocks.scale
     dob = _q_blocks(do, K, blocks.bq, blocks.Lqp)  # fill rows get a zero cotangent

@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import ring_chunk_problems as ring_problems
+import test_ring_chunk_pallas as chunk_tests
 import test_ring_sparse_pallas as selected_chunk_tests
 from attention_inputs import out_and_vjp, random_blocks, random_qkv, segments
 from jax.sharding import Mesh, PartitionSpec as P
@@ -269,6 +270,25 @@ class TestRingChunkMosaicCompiled(TestRingChunkMosaic):
             pytest.skip("compiled Mosaic needs a TPU")
 
 
+# (name, B, L, H, K, D, block_q, block_k, local), test_ring_chunk_pallas.CASES' form
+VJP_CASES = [
+    pytest.param(("local-gqa2-d128", 2, 300, 4, 2, 128, 128, 128, True), jnp.float32,
+                 id="local-gqa2-d128-f32"),  # heads side by side
+    pytest.param(("split-gqa4-d64", 2, 300, 4, 1, 64, 128, 256, False), jnp.bfloat16,
+                 id="split-gqa4-d64-bf16"),
+]
+
+
+@pytest.mark.parametrize("case, dtype", VJP_CASES)
+@pytest.mark.slow
+def test_attention_chunk_vjp_through_mosaic(case, dtype, mosaic_chunks):
+    """attention_chunk's own vjp on the Mosaic kernels (interpreted), cotangents on out and
+    on lse, against the oracle's autodiff: its delta, rowsum(dO * out) minus the lse
+    cotangent, is summed by the dQ kernel from the output and the given rows together
+    (chunk_backward, which the suite above runs, gets the ring's delta alone)."""
+    chunk_tests.TestRingChunkPallas().test_matches_reference(case, dtype)
+
+
 @pytest.mark.slow
 def test_ring_attention_through_mosaic(mosaic_chunks):
     """ring_attention(implementation="pallas") with the Mosaic chunk kernels (interpreted) on
@@ -346,6 +366,28 @@ def test_lower_to_mosaic_for_tpu(D):
         lambda q, k, v, s, i, c: block_sparse_attention_mosaic(q, k, v, i, c, s, 128, False),
         q, kv, kv, seg, idx, counts)
     assert module.count("tpu_custom_call") == 3, "expected forward, dQ and dK/dV kernels"
+
+
+@pytest.mark.compiled
+def test_delta_is_summed_in_the_dq_kernel():
+    """delta = rowsum(dO * O) is the dQ kernel's work, not XLA's: the exported TPU forward +
+    backward of flash attention and of the chunk op (heads side by side, D = 128) reduce no
+    float array outside the kernels (that row sum was a third of the chunk op's TPU compile)."""
+    q = jax.ShapeDtypeStruct((1, 1024, 8, 128), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, 1024, 2, 128), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 1024), jnp.int32)
+    blocks = chunk_tables.make_chunk_blocks(1024, 1024, 128, 256, 256, False, pallas=True,
+                                            interpret=False, mosaic=True)
+    modules = {
+        "flash": _tpu_kernels(lambda q, k, v, s: flash_tpu.flash_attention_mosaic(
+            q, k, v, s, True, 256, 256, False), q, kv, kv, ids),
+        "chunk": _tpu_kernels(lambda q, k, v, s, p: chunk_module._chunk(
+            q, k, v, s, p, s, p, "mosaic", blocks)[0], q, kv, kv, ids, ids),
+    }
+    for name, module in modules.items():
+        assert module.count("tpu_custom_call") == 3, name
+        reduces = [ln for ln in module.splitlines() if "stablehlo.reduce" in ln and "xf32>" in ln]
+        assert reduces == [], f"{name}: a float reduce outside the kernels: {reduces}"
 
 
 @pytest.mark.compiled
