@@ -55,9 +55,12 @@ DEFAULT_BLOCKS = {"xla": BlockSizes(256, 256), "pallas": BlockSizes(128, 64),
 MOSAIC_FLOAT32_BLOCKS = BlockSizes(256, 256)
 # float32 on GPU: each matmul is three TF32 tensor-core passes (common.triton_dot), and at
 # 128 x 64 the float32 backward took 4-6 s to compile for A100 (fwd + bwd, T = 4096: D = 64
-# 4.3 s, D = 128 5.9 s; 1.2 s and 2.3 s at 64 x 32; JAX's own Triton attention 2.3 s at D = 64,
-# refused at D = 128). bf16 keeps 128 x 64.
-TRITON_FLOAT32_BLOCKS = BlockSizes(64, 32)
+# 4.3 s, D = 128 5.9 s; 1.2 s and 2.3 s at 64 x 32). At D = 128, 64 x 32 still compiled
+# 2-2.5x slower than JAX's own Triton attention at its largest tile that fits (64 x 64, one TF32
+# pass; fwd + bwd, T = 4096: H100 1.8 s, A100 3.1 s; 1.5 s and 1.3 s at 32 x 32, the tile of
+# that kernel's own backward). Run time at either tile is unmeasured (no GPU yet).
+# bf16 keeps 128 x 64.
+TRITON_FLOAT32_BLOCKS = BlockSizes(32, 32)
 FLOAT32_BLOCKS = {"mosaic": MOSAIC_FLOAT32_BLOCKS, "pallas": TRITON_FLOAT32_BLOCKS}
 
 
