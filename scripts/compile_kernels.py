@@ -3,15 +3,18 @@ attention kernels at the same shape, and print the compile times side by side.
 
     .venv-targets/bin/python scripts/compile_kernels.py \
         --targets tpu-v5p:2x2x2,tpu-v5e:2x2,tpu-v6e:2x2,gpu-h100:8,gpu-a100:8 \
-        --lengths 1024,4096 --head-dims 64,128 --dtypes bfloat16,float32
+        --lengths 1024,4096 --head-dims 64,128 --dtypes bfloat16,float32 --repeats 3
 
 For each target and shape case it compiles flash, block-sparse and the ring's chunk op, forward
 and forward + backward (kernels_pallas/aot.py), with 8 query heads over 2 kv heads (GQA). The
 reference is JAX's own kernel for the target: splash attention on TPU (the same GQA shape) and
-`pallas.ops.gpu.attention.mha` on GPU (8 kv heads: it has no GQA), causal with segment ids.
-Times are wall seconds of lowering + compiling on this host, one compile each, after one warm-up
-compile per target (the compiler's own set-up); the ratio column is jaxsb / reference from the
-same run. A program the compiler refuses is printed as FAILED
+`pallas.ops.gpu.attention.mha` on GPU (8 kv heads: it has no GQA), causal with segment ids. Where
+mha's default 128 x 128 forward tile does not fit the GPU's shared memory (float32 at D = 128),
+it is compiled at the largest smaller square tile that fits, and the cell says which.
+Times are wall seconds of lowering + compiling on this host, the median of --repeats compiles
+(each of a new function: jit caches on the function), after one warm-up compile per target (the
+compiler's own set-up); a single compile varies by 15-30% on a shared host. The ratio column is
+jaxsb / reference from the same run. A program the compiler refuses is printed as FAILED
 with the compiler's message and makes the exit status 1. Needs .venv-targets
 (`bash scripts/setup.sh --targets`).
 """
@@ -19,15 +22,21 @@ with the compiler's message and makes the exit status 1. Needs .venv-targets
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
+import statistics
 import sys
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 
-def _reference(platform: str, case, device, direction: str):
-    """(fn, args) of JAX's own attention kernel at `case` for `platform`."""
+GPU_REFERENCE_TILES = (128, 64, 32)  # mha's default forward tile first, then smaller ones
+
+
+def _reference(platform: str, case, device, direction: str, tile: int = 128):
+    """(fn, args) of JAX's own attention kernel at `case` for `platform` (on GPU, mha with a
+    `tile` x `tile` forward tile and its default backward tiles)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
@@ -41,7 +50,9 @@ def _reference(platform: str, case, device, direction: str):
         from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
         q = jax.ShapeDtypeStruct((case.B, case.T, case.H, case.D), dt, sharding=sh)
-        fn = lambda q, k, v, s: gpu_attention.mha(q, k, v, s, sm_scale=case.D ** -0.5, causal=True)  # noqa: E731
+        sizes = dataclasses.replace(gpu_attention.BlockSizes.get_default(), block_q=tile, block_k=tile)
+        fn = lambda q, k, v, s: gpu_attention.mha(q, k, v, s, sm_scale=case.D ** -0.5, causal=True,  # noqa: E731
+                                                  block_sizes=sizes)
         args = (q, q, q, seg)
     else:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -73,6 +84,34 @@ def _timed(fn, args, platform: str) -> tuple[float | None, str | None]:
         return None, f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
+def _median_compile(make, platform: str, repeats: int) -> tuple[float | None, str | None]:
+    """Median seconds of `repeats` compiles of make() -> (fn, args), a new function each time;
+    (None, the error) at the first refusal."""
+    times = []
+    for _ in range(repeats):
+        seconds, error = _timed(*make(), platform)
+        if error is not None:
+            return None, error
+        times.append(seconds)
+    return statistics.median(times), None
+
+
+def _reference_time(platform: str, case, device, direction: str,
+                    repeats: int) -> tuple[float | None, str | None, str]:
+    """(median seconds, error, note) of JAX's own kernel; on GPU the largest forward tile of
+    GPU_REFERENCE_TILES whose kernel fits the shared memory (note: the tile, when not mha's
+    default)."""
+    tiles = GPU_REFERENCE_TILES if platform == "gpu" else (None,)
+    for tile in tiles:
+        kw = {} if tile is None else {"tile": tile}
+        seconds, error = _median_compile(lambda: _reference(platform, case, device, direction, **kw),
+                                         platform, repeats)
+        if error is None or "Shared memory size limit exceeded" not in error:
+            break
+    note = f" ({tile}x{tile})" if tile not in (None, GPU_REFERENCE_TILES[0]) and error is None else ""
+    return seconds, error, note
+
+
 def _warm_up(platform: str, device) -> None:
     """The first compile of a process pays the compiler's set-up (~1 s); not any kernel's."""
     import jax
@@ -95,12 +134,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kernels", default="flash,block_sparse,ring_chunk")
     p.add_argument("--directions", default="fwd,fwd+bwd")
     p.add_argument("--no-reference", action="store_true", help="skip JAX's own kernels")
+    p.add_argument("--repeats", type=int, default=3, help="compiles per program; the median is shown")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row as JSON")
     args = p.parse_args(argv)
 
     from jaxsb.targets import parse_target, target_devices
     from kernels_pallas.aot import Case, kernel_programs
 
+    kernels, directions = tuple(args.kernels.split(",")), tuple(args.directions.split(","))
     rows, failed = [], 0
     for name in args.targets.split(","):
         target = parse_target(name)
@@ -114,34 +155,64 @@ def main(argv: list[str] | None = None) -> int:
                 for dtype in args.dtypes.split(","):
                     case = Case(T=T, D=D, H=8, K=2, dtype=dtype)
                     refs = {}
-                    for direction in args.directions.split(","):
+                    for direction in directions:
                         if not args.no_reference:
                             ref_case = case if target.platform == "tpu" else Case(T=T, D=D, H=8, K=8, dtype=dtype)
-                            refs[direction] = _timed(*_reference(target.platform, ref_case, device, direction),
-                                                     target.platform)
-                    for prog in kernel_programs(case, device, kernels=tuple(args.kernels.split(",")),
-                                                directions=tuple(args.directions.split(","))):
-                        seconds, error = _timed(prog.fn, prog.args, target.platform)
-                        ref_s, ref_error = refs.get(prog.direction, (None, None))
+                            refs[direction] = _reference_time(target.platform, ref_case, device, direction,
+                                                              args.repeats)
+                    for n, prog in enumerate(kernel_programs(case, device, kernels=kernels, directions=directions)):
+                        def make(n=n):  # the same program, as a new function
+                            fresh = kernel_programs(case, device, kernels=kernels, directions=directions)[n]
+                            return fresh.fn, fresh.args
+
+                        seconds, error = _median_compile(make, target.platform, args.repeats)
+                        ref_s, ref_error, note = refs.get(prog.direction, (None, None, ""))
                         failed += error is not None
                         ratio = f"{seconds / ref_s:.2f}" if seconds and ref_s else "-"
-                        shown = f"{seconds:.1f}" if seconds is not None else f"FAILED {error}"
+                        shown = f"{seconds:.2f}" if seconds is not None else f"FAILED {error}"
                         ref_shown = "-" if ref_s is None and ref_error is None else (
-                            f"{ref_s:.1f}" if ref_s is not None else f"FAILED {ref_error}")
+                            f"{ref_s:.2f}{note}" if ref_s is not None else f"FAILED {ref_error}")
                         print(f"| {prog.kernel} | {prog.direction} | {case.label} | {shown} | {ref_shown} | {ratio} |",
                               flush=True)
                         rows.append({"target": target.name, "kernel": prog.kernel, "direction": prog.direction,
                                      "case": case.label, "seconds": seconds, "error": error,
-                                     "reference_seconds": ref_s, "reference_error": ref_error})
+                                     "reference_seconds": ref_s, "reference_error": ref_error,
+                                     "reference_note": note.strip(" ()"), "repeats": args.repeats})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
-    ratios = [r["seconds"] / r["reference_seconds"] for r in rows if r["seconds"] and r["reference_seconds"]]
-    if ratios:
-        print(f"\njaxsb / reference compile time: median {sorted(ratios)[len(ratios) // 2]:.2f}, worst "
-              f"{max(ratios):.2f}; within 2x: {sum(x <= 2 for x in ratios)} of {len(ratios)}")
+    print_summary(rows)
     print(f"\n{len(rows)} programs, {failed} failed")
     return 1 if failed else 0
+
+
+def _ratio(row) -> float | None:
+    return row["seconds"] / row["reference_seconds"] if row["seconds"] and row["reference_seconds"] else None
+
+
+def print_summary(rows) -> None:
+    """Per target, kernel and direction: median jaxsb seconds, median and worst ratio, how many
+    within 2x, how many refused; then the totals (the table in the kernel READMEs)."""
+    ratios = [x for x in map(_ratio, rows) if x is not None]
+    if not ratios:
+        return
+    print("\n| target | kernel | direction | jaxsb s (median) | ratio median | ratio worst | within 2x | refused |")
+    print("|---|---|---|---|---|---|---|---|")
+    for key in sorted({(r["target"], r["kernel"], r["direction"]) for r in rows}):
+        group = [r for r in rows if (r["target"], r["kernel"], r["direction"]) == key]
+        seconds = [r["seconds"] for r in group if r["seconds"] is not None]
+        rs = [x for x in map(_ratio, group) if x is not None]
+        cells = [f"{statistics.median(seconds):.2f}" if seconds else "-",
+                 f"{statistics.median(rs):.2f}" if rs else "-", f"{max(rs):.2f}" if rs else "-",
+                 f"{sum(x <= 2 for x in rs)} of {len(rs)}", str(len(group) - len(seconds))]
+        print(f"| {' | '.join(key)} | {' | '.join(cells)} |")
+    for name, keep in (("TPU", "tpu"), ("GPU", "gpu")):
+        part = [x for r in rows if r["target"].startswith(keep) and (x := _ratio(r)) is not None]
+        if part:
+            print(f"\n{name}: within 2x {sum(x <= 2 for x in part)} of {len(part)}, median {statistics.median(part):.2f}, "
+                  f"worst {max(part):.2f}")
+    print(f"\njaxsb / reference compile time: median {statistics.median(ratios):.2f}, worst "
+          f"{max(ratios):.2f}; within 2x: {sum(x <= 2 for x in ratios)} of {len(ratios)}")
 
 
 if __name__ == "__main__":
