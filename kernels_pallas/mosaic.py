@@ -405,14 +405,16 @@ def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
 
 
 def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int, has_o: bool, has_delta: bool):
-    """dQ of one query block, and its delta = rowsum(dO * O) (+ the given delta rows) as a
-    lane-replicated [bq, 128] output, computed at the block's first step and read by its
-    steps and by the dK/dV kernel."""
+    """dQ of one query block. Its delta = rowsum(dO * O) (+ the given delta rows) is made
+    lane-replicated [bq, 128] in scratch at the block's first step, and, when summed here from
+    O, written out for the dK/dV kernel (given rows alone, it reads them itself)."""
     tables, ids, (q_ref, k_ref, v_ref, do_ref, *rest) = _split(refs, ntab, geo)
     o_ref = rest.pop(0) if has_o else None
     lse_ref = rest.pop(0)
     delta_in = rest.pop(0) if has_delta else None
-    dq_ref, delta_ref, dq_scr = rest
+    dq_ref = rest.pop(0)
+    delta_out = rest.pop(0) if has_o else None
+    dq_scr, delta_ref = rest
     b, h, i, j = (pl.program_id(a) for a in range(4))
     kb, kind = walk.fwd(tables, b, lax.div(h, G), i, j)
 
@@ -426,6 +428,8 @@ def _dq_kernel(*refs, geo: Geometry, walk, G: int, ntab: int, has_o: bool, has_d
         if has_delta:
             delta = delta + jnp.expand_dims(delta_in[0], -1)  # row [1, bq] -> column
         delta_ref[...] = jnp.broadcast_to(delta, delta_ref.shape)
+        if has_o:
+            delta_out[...] = delta_ref[...]
 
     def update():
         k = k_ref[...]
@@ -508,7 +512,7 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, geo: Geometry, walk, grad_dtype
     row_spec = pl.BlockSpec((None, None, 1, bq), row_map)  # [B, H, 1, Tq]: a row per block
     o_in = [] if o_t is None else [o_t]
     delta_in = [] if delta is None else [delta[:, :, None]]
-    dq, delta_lanes = pl.pallas_call(
+    dq, *delta_lanes = pl.pallas_call(
         functools.partial(_dq_kernel, geo=geo, walk=walk_fwd, G=G, ntab=len(fwd_tables),
                           has_o=o_t is not None, has_delta=delta is not None),
         grid_spec=pltpu.PrefetchScalarGridSpec(
@@ -524,12 +528,12 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, geo: Geometry, walk, grad_dtype
                 row_spec,  # lse
                 *[row_spec] * len(delta_in),  # delta
             ],
-            out_specs=[head_spec(bq, geo, q_index),
-                       pl.BlockSpec((None, None, bq, LANES), lambda *a: _brn(*q_index(*a)))],
-            scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32)],
+            out_specs=[head_spec(bq, geo, q_index), *[pl.BlockSpec(
+                (None, None, bq, LANES), lambda *a: _brn(*q_index(*a)))] * len(o_in)],
+            scratch_shapes=[pltpu.VMEM((bq, Dm), jnp.float32), pltpu.VMEM((bq, LANES), jnp.float32)],
         ),
         out_shape=[head_struct(B, H, geo.Tq, geo, grad_dtype or qt.dtype, qt),
-                   out_struct((B, H, geo.Tq, LANES), jnp.float32, qt)],
+                   *[out_struct((B, H, geo.Tq, LANES), jnp.float32, qt)] * len(o_in)],
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dq",
@@ -577,7 +581,8 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, geo: Geometry, walk, grad_dtype
         compiler_params=_params(geo.interpret, _QK_GRID),
         interpret=_interpret(geo),
         name="mosaic_attention_dkv",
-    )(*tables, *_id_inputs(ids, False), qt, kt, vt, do_t, rows8(lse), rows8(delta_lanes[..., 0]))
+    )(*tables, *_id_inputs(ids, False), qt, kt, vt, do_t, rows8(lse),
+      rows8(delta_lanes[0][..., 0] if delta_lanes else delta))
     return dq, dk, dv
 
 

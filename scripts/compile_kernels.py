@@ -34,7 +34,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 GPU_REFERENCE_TILES = (128, 64, 32)  # mha's default forward tile first, then smaller ones
 
 
-def _reference(platform: str, case, device, direction: str, tile: int = 128):
+def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFERENCE_TILES[0]):
     """(fn, args) of JAX's own attention kernel at `case` for `platform` (on GPU, mha with a
     `tile` x `tile` forward tile and its default backward tiles)."""
     import jax
