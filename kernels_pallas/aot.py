@@ -7,6 +7,20 @@ compile-only TPU or deviceless GPU device, or a real one). `compile_program` low
 device's platform (`common.compile_platform`: Mosaic on TPU, Triton on GPU) and compiles,
 timing both. Used by the compile-target tests and `scripts/compile_kernels.py`; numerics are
 checked elsewhere (the interpreter suites): this only proves the real compiler accepts them.
+
+Entry layout: how q, k, v come in and the output goes out. Inside a layer
+(jaxsb/models/llama.py) a kernel gets q, k, v from the projections and RoPE ([B, T, N * D]
+reshaped to [B, T, N, D]) and hands its output to the output projection, and the compiler lays
+those intermediates out as the kernel wants them: compiled for TPU, the Mosaic kernels at
+D = 128 read q from the RoPE fusion's output and the projection reads their output, with no
+copy between. A program whose parameters are q, k, v has no such neighbours: with
+`entry="bthd"` (the kernels' API, [B, T, N, D] parameters in the default layout) the TPU
+compiler adds a relayout per array that no layer compiles ([B, T, N, D] and [B, T, N * D] tile
+differently; 0.05-0.15 s of a 0.35-0.5 s TPU forward). `entry="model"`, the default, is the
+layer's view: q, k, v as [B, T, N * D], their layouts and the outputs' left to the compiler
+(`jax.experimental.layout` AUTO, `Program.free_layouts`); `scripts/compile_kernels.py` gives
+JAX's own kernels the same. Transposes to other layouts (Mosaic at D = 64 and the Triton
+kernels: [B, N, T, D]) are compiled under both.
 """
 
 from __future__ import annotations
@@ -17,6 +31,7 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
+from jax.experimental.layout import Format, Layout
 from jax.sharding import SingleDeviceSharding
 
 from kernels_pallas.block_sparse_attention import block_sparse_attention
@@ -53,10 +68,14 @@ class Program:
     case: Case
     fn: Callable
     args: tuple  # ShapeDtypeStructs on the device
+    free_layouts: tuple = ()  # indices of args whose layout the compiler chooses (the outputs' too)
 
     @property
     def name(self) -> str:
         return f"{self.kernel} {self.direction} {self.case.label}"
+
+    def compile(self, platform: str) -> Compiled:
+        return compile_program(self.fn, self.args, platform, self.free_layouts)
 
 
 def _with_vjp(fn: Callable, ndiff: int) -> Callable:
@@ -74,13 +93,38 @@ def _with_vjp(fn: Callable, ndiff: int) -> Callable:
     return run
 
 
-def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS) -> list[Program]:
-    """The compiled-Pallas programs of `kernels` x `directions` at `case`, inputs on `device`."""
+ENTRY_FREE_LAYOUTS = {"model": (0, 1, 2), "bthd": ()}  # q, k, v: the layout is the compiler's
+ENTRIES = tuple(ENTRY_FREE_LAYOUTS)
+
+
+def heads_side_by_side(fn: Callable, case: Case) -> Callable:
+    """fn(q [B,T,H,D], k, v [B,T,K,D], ...) as a layer calls it: q, k, v [B, T, N * D] in, its
+    output [B, T, H * D] out (an lse, if any, as it is)."""
+
+    def run(q, k, v, *rest):
+        B, T = q.shape[:2]
+        out = fn(q.reshape(B, T, case.H, case.D), k.reshape(B, T, case.K, case.D),
+                 v.reshape(B, T, case.K, case.D), *rest)
+        if isinstance(out, tuple):
+            return (out[0].reshape(B, T, -1), *out[1:])
+        return out.reshape(B, T, -1)
+
+    return run
+
+
+def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS,
+                    entry: str = "model") -> list[Program]:
+    """The compiled-Pallas programs of `kernels` x `directions` at `case`, inputs on `device`;
+    `entry`: q, k, v and the output as a layer holds them ("model": [B, T, N * D], layouts the
+    compiler's) or as the kernels' API takes them ("bthd": [B, T, N, D]); see the module doc."""
+    if entry not in ENTRIES:
+        raise ValueError(f"entry={entry!r} must be one of {ENTRIES}")
     sh = SingleDeviceSharding(device)
     dt = jnp.dtype(case.dtype)
     B, T, H, K, D = case.B, case.T, case.H, case.K, case.D
-    q = jax.ShapeDtypeStruct((B, T, H, D), dt, sharding=sh)
-    kv = jax.ShapeDtypeStruct((B, T, K, D), dt, sharding=sh)
+    heads = (lambda n: (B, T, n * D)) if entry == "model" else (lambda n: (B, T, n, D))
+    q = jax.ShapeDtypeStruct(heads(H), dt, sharding=sh)
+    kv = jax.ShapeDtypeStruct(heads(K), dt, sharding=sh)
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh)
     nq = -(-T // case.block)
     idx = jax.ShapeDtypeStruct((B, K, nq, case.max_blocks), jnp.int32, sharding=sh)
@@ -96,8 +140,10 @@ def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS) 
     out = []
     for kernel in kernels:
         fn, args = forwards[kernel]
+        fn = heads_side_by_side(fn, case) if entry == "model" else fn
+        free = ENTRY_FREE_LAYOUTS[entry]
         for direction in directions:
-            out.append(Program(kernel, direction, case, fn if direction == "fwd" else _with_vjp(fn, 3), args))
+            out.append(Program(kernel, direction, case, fn if direction == "fwd" else _with_vjp(fn, 3), args, free))
     return out
 
 
@@ -116,11 +162,17 @@ class Compiled:
         return self.lowered_text.count(KERNEL_CALLS[platform])
 
 
-def compile_program(fn: Callable, args: tuple, platform: str) -> Compiled:
-    """Lowers `fn` for `platform` and compiles it (raises what the compiler raises)."""
+def compile_program(fn: Callable, args: tuple, platform: str, free_layouts: tuple = ()) -> Compiled:
+    """Lowers `fn` for `platform` and compiles it (raises what the compiler raises); the args at
+    `free_layouts`, and then every output, get the layout the compiler chooses (AUTO)."""
+    jit = jax.jit(fn)
+    if free_layouts:
+        shardings = tuple(Format(Layout.AUTO, a.sharding) if i in free_layouts else a.sharding
+                          for i, a in enumerate(args))
+        jit = jax.jit(fn, in_shardings=shardings, out_shardings=Format(Layout.AUTO, args[0].sharding))
     t0 = time.perf_counter()
     with compile_platform(platform):
-        lowered = jax.jit(fn).lower(*args)
+        lowered = jit.lower(*args)
     t1 = time.perf_counter()
     compiled = lowered.compile()
     return Compiled(t1 - t0, time.perf_counter() - t0, lowered.as_text(), compiled)

@@ -14,7 +14,9 @@ it is compiled at the largest smaller square tile that fits, and the cell says w
 Times are wall seconds of lowering + compiling on this host, the median of --repeats compiles
 (each of a new function: jit caches on the function), after one warm-up compile per target (the
 compiler's own set-up); a single compile varies by 15-30% on a shared host. The ratio column is
-jaxsb / reference from the same run. A program the compiler refuses is printed as FAILED
+jaxsb / reference from the same run. q, k, v and the output enter and leave each program as a
+layer holds them (--entry model, the default; --entry bthd: as [B, T, N, D] parameters; see
+kernels_pallas/aot.py), for JAX's kernels too. A program the compiler refuses is printed as FAILED
 with the compiler's message and makes the exit status 1. Needs .venv-targets
 (`bash scripts/setup.sh --targets`).
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import statistics
@@ -34,14 +37,17 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 GPU_REFERENCE_TILES = (128, 64, 32)  # mha's default forward tile first, then smaller ones
 
 
-def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFERENCE_TILES[0]):
-    """(fn, args) of JAX's own attention kernel at `case` for `platform` (on GPU, mha with a
-    `tile` x `tile` forward tile and its default backward tiles)."""
+def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFERENCE_TILES[0],
+               entry: str = "model"):
+    """(fn, args, free layouts) of JAX's own attention kernel at `case` for `platform` (on GPU,
+    mha with a `tile` x `tile` forward tile and its default backward tiles), its q, k, v and
+    output as `entry` says for jaxsb's (kernels_pallas/aot.py; splash on TPU takes its own
+    [B, N, T, D] either way)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from kernels_pallas.aot import _with_vjp
+    from kernels_pallas.aot import ENTRY_FREE_LAYOUTS, _with_vjp, heads_side_by_side
 
     sh = SingleDeviceSharding(device)
     dt = jnp.dtype(case.dtype)
@@ -49,10 +55,12 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
     if platform == "gpu":
         from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-        q = jax.ShapeDtypeStruct((case.B, case.T, case.H, case.D), dt, sharding=sh)
+        shape = (case.B, case.T, case.H * case.D) if entry == "model" else (case.B, case.T, case.H, case.D)
+        q = jax.ShapeDtypeStruct(shape, dt, sharding=sh)
         sizes = dataclasses.replace(gpu_attention.BlockSizes.get_default(), block_q=tile, block_k=tile)
         fn = lambda q, k, v, s: gpu_attention.mha(q, k, v, s, sm_scale=case.D ** -0.5, causal=True,  # noqa: E731
                                                   block_sizes=sizes)
+        fn = heads_side_by_side(fn, case) if entry == "model" else fn
         args = (q, q, q, seg)
     else:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -71,39 +79,40 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
         q = jax.ShapeDtypeStruct((case.B, case.H, case.T, case.D), dt, sharding=sh)
         kv = jax.ShapeDtypeStruct((case.B, case.K, case.T, case.D), dt, sharding=sh)
         args = (q, kv, kv, seg)
-    return (fn if direction == "fwd" else _with_vjp(fn, 3)), args
+    return (fn if direction == "fwd" else _with_vjp(fn, 3)), args, ENTRY_FREE_LAYOUTS[entry]
 
 
-def _timed(fn, args, platform: str) -> tuple[float | None, str | None]:
+def _timed(fn, args, platform: str, free_layouts=()) -> tuple[float | None, str | None]:
     from kernels_pallas.aot import compile_program
 
     try:
-        return compile_program(fn, args, platform).compile_s, None
+        return compile_program(fn, args, platform, free_layouts).compile_s, None
     except Exception as e:  # reported, the sweep goes on
         lines = [ln for ln in str(e).splitlines() if ln.strip()]
         return None, f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
 def _median_compile(make, platform: str, repeats: int) -> tuple[float | None, str | None]:
-    """Median seconds of `repeats` compiles of make() -> (fn, args), a new function each time;
-    (None, the error) at the first refusal."""
+    """Median seconds of `repeats` compiles of make() -> (fn, args, free layouts), a new function
+    each time; (None, the error) at the first refusal."""
     times = []
     for _ in range(repeats):
-        seconds, error = _timed(*make(), platform)
+        fn, args, free = make()
+        seconds, error = _timed(fn, args, platform, free)
         if error is not None:
             return None, error
         times.append(seconds)
     return statistics.median(times), None
 
 
-def _reference_time(platform: str, case, device, direction: str,
-                    repeats: int) -> tuple[float | None, str | None, str]:
+def _reference_time(platform: str, case, device, direction: str, repeats: int,
+                    entry: str = "model") -> tuple[float | None, str | None, str]:
     """(median seconds, error, note) of JAX's own kernel; on GPU the largest forward tile of
     GPU_REFERENCE_TILES whose kernel fits the shared memory (note: the tile, when not mha's
     default)."""
     tiles = GPU_REFERENCE_TILES if platform == "gpu" else (None,)
     for tile in tiles:
-        kw = {} if tile is None else {"tile": tile}
+        kw = {"entry": entry} if tile is None else {"tile": tile, "entry": entry}
         seconds, error = _median_compile(lambda: _reference(platform, case, device, direction, **kw),
                                          platform, repeats)
         if error is None or "Shared memory size limit exceeded" not in error:
@@ -125,6 +134,8 @@ def _warm_up(platform: str, device) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from kernels_pallas.aot import ENTRIES, Case, kernel_programs
+
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     p.add_argument("--targets", default="tpu-v5p:2x2x2,gpu-h100:8")
@@ -135,11 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--directions", default="fwd,fwd+bwd")
     p.add_argument("--no-reference", action="store_true", help="skip JAX's own kernels")
     p.add_argument("--repeats", type=int, default=3, help="compiles per program; the median is shown")
+    p.add_argument("--entry", default=ENTRIES[0], choices=ENTRIES,
+                   help="q, k, v and the output as a layer holds them, [B, T, N * D] (model), or as "
+                        "the kernels' API takes them, [B, T, N, D] (bthd): kernels_pallas/aot.py")
     p.add_argument("--json", default=None, metavar="FILE", help="write every row as JSON")
     args = p.parse_args(argv)
 
     from jaxsb.targets import parse_target, target_devices
-    from kernels_pallas.aot import Case, kernel_programs
 
     kernels, directions = tuple(args.kernels.split(",")), tuple(args.directions.split(","))
     rows, failed = [], 0
@@ -147,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         target = parse_target(name)
         device = target_devices(target)[0]
         _warm_up(target.platform, device)
-        print(f"\n## {target.name} ({device.device_kind})\n")
+        print(f"\n## {target.name} ({device.device_kind}), entry layout {args.entry}\n")
         print("| kernel | direction | shape | jaxsb s | reference s | ratio |")
         print("|---|---|---|---|---|---|")
         for T in map(int, args.lengths.split(",")):
@@ -159,11 +172,13 @@ def main(argv: list[str] | None = None) -> int:
                         if not args.no_reference:
                             ref_case = case if target.platform == "tpu" else Case(T=T, D=D, H=8, K=8, dtype=dtype)
                             refs[direction] = _reference_time(target.platform, ref_case, device, direction,
-                                                              args.repeats)
-                    for n, prog in enumerate(kernel_programs(case, device, kernels=kernels, directions=directions)):
+                                                              args.repeats, args.entry)
+                    programs = functools.partial(kernel_programs, case, device, kernels=kernels,
+                                                 directions=directions, entry=args.entry)
+                    for n, prog in enumerate(programs()):
                         def make(n=n):  # the same program, as a new function
-                            fresh = kernel_programs(case, device, kernels=kernels, directions=directions)[n]
-                            return fresh.fn, fresh.args
+                            fresh = programs()[n]
+                            return fresh.fn, fresh.args, fresh.free_layouts
 
                         seconds, error = _median_compile(make, target.platform, args.repeats)
                         ref_s, ref_error, note = refs.get(prog.direction, (None, None, ""))
@@ -177,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
                         rows.append({"target": target.name, "kernel": prog.kernel, "direction": prog.direction,
                                      "case": case.label, "seconds": seconds, "error": error,
                                      "reference_seconds": ref_s, "reference_error": ref_error,
-                                     "reference_note": note.strip(" ()"), "repeats": args.repeats})
+                                     "reference_note": note.strip(" ()"), "repeats": args.repeats,
+                                     "entry": args.entry})
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)

@@ -18,6 +18,7 @@ there. The full kernel matrix (targets x dtypes x head dims x lengths) is script
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -45,12 +46,12 @@ def devices():
 def test_kernel_compiles_forward_and_backward(devices, platform, kernel):
     import jax
 
-    from kernels_pallas.aot import Case, compile_program, kernel_programs
+    from kernels_pallas.aot import Case, kernel_programs
 
     assert jax.default_backend() == "cpu"  # the host compiles for a platform it does not have
     case = Case(T=512, D=128, H=8, K=2, dtype="bfloat16")
     (program,) = kernel_programs(case, devices[platform][0], kernels=(kernel,), directions=("fwd+bwd",))
-    compiled = compile_program(program.fn, program.args, platform)
+    compiled = program.compile(platform)
     # forward and backward kernels (flash / block-sparse: fwd, dq, dkv) as real kernel calls
     assert compiled.kernel_calls(platform) >= 3, compiled.lowered_text[:2000]
     assert compiled.compiled.memory_analysis() is not None
@@ -58,22 +59,82 @@ def test_kernel_compiles_forward_and_backward(devices, platform, kernel):
 
 @pytest.mark.parametrize("platform", sorted(TARGETS))
 def test_float32_head_dim_64_compiles(devices, platform):
-    from kernels_pallas.aot import Case, compile_program, kernel_programs
+    from kernels_pallas.aot import Case, kernel_programs
 
     case = Case(T=256, D=64, H=4, K=4, dtype="float32")
     (program,) = kernel_programs(case, devices[platform][0], kernels=("flash",), directions=("fwd+bwd",))
-    assert compile_program(program.fn, program.args, platform).kernel_calls(platform) >= 3
+    assert program.compile(platform).kernel_calls(platform) >= 3
 
 
 def test_block_sparse_float32_fits_gpu_shared_memory(devices):
     """Float32 block-sparse attention with 128-token routing blocks and head dim 128, forward and
     backward: Triton refused it ("Shared memory size limit exceeded", 394 KB of 227 KB on H100)
     until the kernels split a block into tiles (block_sparse_attention/pallas.py, sub_tile)."""
-    from kernels_pallas.aot import Case, compile_program, kernel_programs
+    from kernels_pallas.aot import Case, kernel_programs
 
     case = Case(T=512, D=128, H=8, K=2, dtype="float32", block=128)
     (program,) = kernel_programs(case, devices["gpu"][0], kernels=("block_sparse",), directions=("fwd+bwd",))
-    assert compile_program(program.fn, program.args, "gpu").kernel_calls("gpu") >= 3
+    assert program.compile("gpu").kernel_calls("gpu") >= 3
+
+
+def _relayouts(compiled) -> list[str]:
+    """The entry computation's bfloat16 copies, reshapes and transposes (TPU relayouts)."""
+    text = compiled.compiled.as_text()
+    entry = text[text.index("\nENTRY"):]
+    return [ln for ln in entry.splitlines() if re.search(r"= bf16\[[^\]]*\]\S* (copy|reshape|transpose)\(", ln)]
+
+
+def test_model_entry_compiles_no_relayout(devices):
+    """kernels_pallas/aot.py's entry layouts: with q, k, v and the output as a layer holds them
+    ([B, T, N * D]), the Mosaic kernels at D = 128 read and write them where they are; with
+    [B, T, N, D] parameters the TPU compiler relayouts each array (a reshape of different
+    tilings), which no model compiles (jaxsb/models/llama.py)."""
+    from kernels_pallas.aot import Case, kernel_programs
+
+    case = Case(T=512, D=128, H=8, K=2, dtype="bfloat16")
+    found = {}
+    for entry in ("model", "bthd"):
+        (program,) = kernel_programs(case, devices["tpu"][0], kernels=("ring_chunk",), directions=("fwd",),
+                                     entry=entry)
+        found[entry] = _relayouts(program.compile("tpu"))
+    assert found["model"] == [], found["model"]
+    assert len(found["bthd"]) >= 4, found["bthd"]  # q, k, v in, the output out
+    with pytest.raises(ValueError, match="entry='bhtd' must be one of"):
+        kernel_programs(case, devices["tpu"][0], entry="bhtd")
+
+
+def test_layer_compiles_no_relayout_around_the_mosaic_kernel(devices):
+    """What `entry="model"` stands for: in a layer (q, k, v projections, RoPE, flash attention,
+    output projection, as jaxsb/models/llama.py) compiled for TPU at D = 128, nothing copies q, k,
+    v or the output between the layouts of [B, T, N, D] and [B, T, N * D]: the RoPE fusion and the
+    projections write and read the kernel's own."""
+    import jax
+    import jax.numpy as jnp
+
+    from jax.sharding import SingleDeviceSharding
+    from kernels_pallas.aot import compile_program
+    from kernels_pallas.flash_attention import flash_attention
+    from jaxsb.models.rope import apply_rope, rope_cos_sin
+
+    B, T, E, H, K, D = 1, 512, 256, 8, 2, 128
+
+    def layer(x, wq, wk, wv, wo, seg, pos):
+        cos, sin = rope_cos_sin(pos, D, 10000.0)
+        q = apply_rope((x @ wq).reshape(B, T, H, D), cos, sin)
+        k = apply_rope((x @ wk).reshape(B, T, K, D), cos, sin)
+        v = (x @ wv).reshape(B, T, K, D)
+        out = flash_attention(q, k, v, seg, implementation="pallas", interpret=False)
+        return out.reshape(B, T, H * D) @ wo
+
+    sh = SingleDeviceSharding(devices["tpu"][0])
+    bf16 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=sh)  # noqa: E731
+    ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh)
+    compiled = compile_program(layer, (bf16(B, T, E), bf16(E, H * D), bf16(E, K * D), bf16(E, K * D),
+                                       bf16(H * D, E), ids, ids), "tpu")
+    assert compiled.kernel_calls("tpu") >= 1
+    heads = [f"[{B},{T},{n * D}]" for n in (H, K)] + [f"[{B},{T},{n},{D}]" for n in (H, K)]
+    moved = [ln for ln in _relayouts(compiled) if any(f"bf16{h}" in ln for h in heads)]
+    assert moved == [], moved
 
 
 def test_kernels_follow_the_target_not_the_host(devices):
@@ -190,3 +251,16 @@ def test_compile_kernels_script_prints_the_table():
     assert "(64x64) |" in rows[1] and "x64)" not in rows[0], rows  # GPU: mha at 64 x 64; TPU: splash
     assert "| gpu-a100:8 | block_sparse | fwd |" in proc.stdout and "within 2x:" in proc.stdout
     assert "2 programs, 0 failed" in proc.stdout
+
+
+def test_compile_kernels_script_bthd_entry():
+    """The script's --entry bthd (the kernels' [B, T, N, D] as the programs' parameters), as the
+    kernel READMEs show it for comparison with the model's entry layout."""
+    proc = subprocess.run([sys.executable, "scripts/compile_kernels.py", "--targets", "tpu-v5e:2x2", "--lengths",
+                           "256", "--head-dims", "128", "--dtypes", "bfloat16", "--kernels", "ring_chunk",
+                           "--directions", "fwd", "--repeats", "1", "--entry", "bthd"], cwd=REPO,
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert "## tpu-v5e:2x2 (TPU v5 lite), entry layout bthd" in proc.stdout, proc.stdout
+    (row,) = [ln for ln in proc.stdout.splitlines() if ln.startswith("| ring_chunk | fwd |")]
+    assert "FAILED" not in row and "1 programs, 0 failed" in proc.stdout
