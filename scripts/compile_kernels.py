@@ -49,6 +49,7 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
 
     from kernels_pallas.aot import ENTRY_FREE_LAYOUTS, _with_vjp, heads_side_by_side
 
+    free_layouts = ENTRY_FREE_LAYOUTS[entry]
     sh = SingleDeviceSharding(device)
     dt = jnp.dtype(case.dtype)
     seg = jax.ShapeDtypeStruct((case.B, case.T), jnp.int32, sharding=sh)
@@ -79,7 +80,7 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
         q = jax.ShapeDtypeStruct((case.B, case.H, case.T, case.D), dt, sharding=sh)
         kv = jax.ShapeDtypeStruct((case.B, case.K, case.T, case.D), dt, sharding=sh)
         args = (q, kv, kv, seg)
-    return (fn if direction == "fwd" else _with_vjp(fn, 3)), args, ENTRY_FREE_LAYOUTS[entry]
+    return (fn if direction == "fwd" else _with_vjp(fn, 3)), args, free_layouts
 
 
 def _timed(fn, args, platform: str, free_layouts=()) -> tuple[float | None, str | None]:
@@ -198,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=2)
     print_summary(rows)
-    print(f"\n{len(rows)} programs, {failed} failed")
+    print(f"\n{len(rows)} programs (entry layout {args.entry}), {failed} failed")
     return 1 if failed else 0
 
 
