@@ -99,9 +99,20 @@ ENTRY_FREE_LAYOUTS = {"model": (0, 1, 2), "bthd": ()}  # q, k, v: the layout is 
 ENTRIES = tuple(ENTRY_FREE_LAYOUTS)
 
 
-def heads_side_by_side(fn: Callable, case: Case) -> Callable:
-    """fn(q [B,T,H,D], k, v [B,T,K,D], ...) as a layer calls it: q, k, v [B, T, N * D] in, its
-    output [B, T, H * D] out (an lse, if any, as it is)."""
+def entry_heads(case: Case, n: int, dtype, sharding, entry: str) -> jax.ShapeDtypeStruct:
+    """n heads of `case` as a program of `entry` takes them: [B, T, n * D] ("model") or
+    [B, T, n, D] ("bthd")."""
+    B, T, D = case.B, case.T, case.D
+    shape = (B, T, n * D) if entry == "model" else (B, T, n, D)
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+
+
+def at_entry(fn: Callable, case: Case, entry: str) -> Callable:
+    """fn(q [B,T,H,D], k, v [B,T,K,D], ...) as a program of `entry` calls it: unchanged for
+    "bthd"; for "model" q, k, v [B, T, N * D] in and its output [B, T, H * D] out (an lse, if
+    any, as it is)."""
+    if entry != "model":
+        return fn
 
     def run(q, k, v, *rest):
         B, T = q.shape[:2]
@@ -123,10 +134,8 @@ def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS,
         raise ValueError(f"entry={entry!r} must be one of {ENTRIES}")
     sh = SingleDeviceSharding(device)
     dt = jnp.dtype(case.dtype)
-    B, T, H, K, D = case.B, case.T, case.H, case.K, case.D
-    heads = (lambda n: (B, T, n * D)) if entry == "model" else (lambda n: (B, T, n, D))
-    q = jax.ShapeDtypeStruct(heads(H), dt, sharding=sh)
-    kv = jax.ShapeDtypeStruct(heads(K), dt, sharding=sh)
+    B, T, K = case.B, case.T, case.K
+    q, kv = (entry_heads(case, n, dt, sh, entry) for n in (case.H, K))
     ids = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=sh)
     nq = -(-T // case.block)
     idx = jax.ShapeDtypeStruct((B, K, nq, case.max_blocks), jnp.int32, sharding=sh)
@@ -142,10 +151,10 @@ def kernel_programs(case: Case, device, kernels=KERNELS, directions=DIRECTIONS,
     out = []
     for kernel in kernels:
         fn, args = forwards[kernel]
-        fn = heads_side_by_side(fn, case) if entry == "model" else fn
-        free = ENTRY_FREE_LAYOUTS[entry]
+        fn = at_entry(fn, case, entry)
         for direction in directions:
-            out.append(Program(kernel, direction, case, fn if direction == "fwd" else _with_vjp(fn, 3), args, free))
+            out.append(Program(kernel, direction, case, fn if direction == "fwd" else _with_vjp(fn, 3), args,
+                               ENTRY_FREE_LAYOUTS[entry]))
     return out
 
 

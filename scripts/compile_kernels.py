@@ -47,7 +47,7 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
     import jax.numpy as jnp
     from jax.sharding import SingleDeviceSharding
 
-    from kernels_pallas.aot import ENTRY_FREE_LAYOUTS, _with_vjp, heads_side_by_side
+    from kernels_pallas.aot import ENTRY_FREE_LAYOUTS, _with_vjp, at_entry, entry_heads
 
     free_layouts = ENTRY_FREE_LAYOUTS[entry]
     sh = SingleDeviceSharding(device)
@@ -56,12 +56,10 @@ def _reference(platform: str, case, device, direction: str, tile: int = GPU_REFE
     if platform == "gpu":
         from jax.experimental.pallas.ops.gpu import attention as gpu_attention
 
-        shape = (case.B, case.T, case.H * case.D) if entry == "model" else (case.B, case.T, case.H, case.D)
-        q = jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+        q = entry_heads(case, case.H, dt, sh, entry)  # mha has no GQA: the case has K = H
         sizes = dataclasses.replace(gpu_attention.BlockSizes.get_default(), block_q=tile, block_k=tile)
-        fn = lambda q, k, v, s: gpu_attention.mha(q, k, v, s, sm_scale=case.D ** -0.5, causal=True,  # noqa: E731
-                                                  block_sizes=sizes)
-        fn = heads_side_by_side(fn, case) if entry == "model" else fn
+        fn = at_entry(lambda q, k, v, s: gpu_attention.mha(q, k, v, s, sm_scale=case.D ** -0.5, causal=True,
+                                                           block_sizes=sizes), case, entry)
         args = (q, q, q, seg)
     else:
         from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
@@ -113,7 +111,7 @@ def _reference_time(platform: str, case, device, direction: str, repeats: int,
     default)."""
     tiles = GPU_REFERENCE_TILES if platform == "gpu" else (None,)
     for tile in tiles:
-        kw = {"entry": entry} if tile is None else {"tile": tile, "entry": entry}
+        kw = {"entry": entry} if tile is None else {"tile": tile, "entry": entry}  # splash has no tile
         seconds, error = _median_compile(lambda: _reference(platform, case, device, direction, **kw),
                                          platform, repeats)
         if error is None or "Shared memory size limit exceeded" not in error:
