@@ -207,6 +207,24 @@ def pallas_target() -> str:
 EIGHT_WARPS_TILE_ELEMENTS = 64 * 64
 
 
+# The Triton backward kernels (dQ, dK/dV) work on tiles of at most this many rows and columns,
+# whatever the forward's tile: JAX's own Triton attention (`pallas.ops.gpu.attention.mha`) runs
+# its backward on 32 x 32 by default. A backward holds more live tiles than a forward (p, dS,
+# dP and two [tile, D] accumulators); at the forward's bf16 128 x 64 the forward + backward
+# programs compiled 15-20% slower (T = 4096, D = 128, bf16, A100, the same process: flash
+# 1.09 -> 0.90 s, the chunk op 1.03 -> 0.89 s, block-sparse 0.90 -> 0.75 s; block-sparse at
+# D = 64 on H100, 128-row tiles: 1.03 -> 0.74 s). Run time at either tile is unmeasured (no GPU
+# yet; scripts/gpu_check.sh times the kernels where there is one).
+TRITON_BACKWARD_TILE = 32
+
+
+def backward_tile(b: int) -> int:
+    """A backward tile from a forward one of b rows: TRITON_BACKWARD_TILE when that divides b
+    (so the backward's padded length is never the forward's plus), else b (interpreted tiles
+    that are not powers of two, and those of TRITON_BACKWARD_TILE rows or fewer)."""
+    return TRITON_BACKWARD_TILE if b % TRITON_BACKWARD_TILE == 0 else b
+
+
 def triton_compiler_params(interpret: bool, tile_elements: int):
     """Compiled Pallas on GPU goes through the Triton lowering, chosen explicitly: in this JAX
     jax_pallas_use_mosaic_gpu defaults to True, and a pallas_call without compiler params would

@@ -13,9 +13,12 @@ mha's default 128 x 128 forward tile does not fit the GPU's shared memory (float
 it is compiled at the largest smaller square tile that fits, and the cell says which.
 Times are wall seconds of lowering + compiling on this host, the median of --repeats compiles
 (each of a new function: jit caches on the function), after one warm-up compile per target (the
-compiler's own set-up); a single compile varies by 15-30% on a shared host. The ratio column is
-jaxsb / reference from the same run. q, k, v and the output enter and leave each program as a
-layer holds them (--entry model, the default; --entry bthd: as [B, T, N, D] parameters; see
+compiler's own set-up), with Python's garbage collector off while timing (kernels_pallas/aot.py);
+a single compile varies by 15-30% on a shared host. Per shape case the compiles go in rounds,
+each compiling the references and every jaxsb program once in turn, so a program and its
+reference are compiled seconds apart and the host's speed drifting reaches both. The ratio
+column is jaxsb / reference from the same rounds. q, k, v and the output enter and leave each
+program as a layer holds them (--entry model, the default; --entry bthd: as [B, T, N, D] parameters; see
 kernels_pallas/aot.py), for JAX's kernels too. A program the compiler refuses is printed as FAILED
 with the compiler's message and makes the exit status 1. Needs .venv-targets
 (`bash scripts/setup.sh --targets`).
@@ -91,33 +94,43 @@ def _timed(fn, args, platform: str, free_layouts=()) -> tuple[float | None, str 
         return None, f"{type(e).__name__}: {lines[0][:200] if lines else ''}"
 
 
-def _median_compile(make, platform: str, repeats: int) -> tuple[float | None, str | None]:
-    """Median seconds of `repeats` compiles of make() -> (fn, args, free layouts), a new function
-    each time; (None, the error) at the first refusal."""
-    times = []
+def _rounds(makers: dict, platform: str, repeats: int) -> dict:
+    """{key: (median seconds, None) or (None, error)} of the programs `makers` ({key: make() ->
+    (fn, args, free layouts)}) over `repeats` rounds, each compiling every program once, in
+    turn, as a new function: a program and its reference are compiled seconds apart in every
+    round, so the host's speed drifting reaches both. A refused program is not compiled again."""
+    times, errors = {key: [] for key in makers}, {}
     for _ in range(repeats):
-        fn, args, free = make()
-        seconds, error = _timed(fn, args, platform, free)
-        if error is not None:
-            return None, error
-        times.append(seconds)
-    return statistics.median(times), None
+        for key, make in makers.items():
+            if key in errors:
+                continue
+            fn, fn_args, free = make()
+            seconds, error = _timed(fn, fn_args, platform, free)
+            if error is not None:
+                errors[key] = error
+            else:
+                times[key].append(seconds)
+    return {key: (None, errors[key]) if key in errors else (statistics.median(times[key]), None)
+            for key in makers}
 
 
-def _reference_time(platform: str, case, device, direction: str, repeats: int,
-                    entry: str = "model") -> tuple[float | None, str | None, str]:
-    """(median seconds, error, note) of JAX's own kernel; on GPU the largest forward tile of
-    GPU_REFERENCE_TILES whose kernel fits the shared memory (note: the tile, when not mha's
-    default)."""
+def _reference_maker(platform: str, case, device, direction: str, entry: str = "model"):
+    """(make, error, note) of JAX's own kernel; on GPU at the largest forward tile of
+    GPU_REFERENCE_TILES whose kernel fits the shared memory, found by compiling each once (note:
+    the tile, when not mha's default)."""
     tiles = GPU_REFERENCE_TILES if platform == "gpu" else (None,)
     for tile in tiles:
         kw = {"entry": entry} if tile is None else {"tile": tile, "entry": entry}  # splash has no tile
-        seconds, error = _median_compile(lambda: _reference(platform, case, device, direction, **kw),
-                                         platform, repeats)
+
+        def make(kw=kw):
+            return _reference(platform, case, device, direction, **kw)
+
+        fn, fn_args, free = make()
+        _, error = _timed(fn, fn_args, platform, free)
         if error is None or "Shared memory size limit exceeded" not in error:
             break
     note = f" ({tile}x{tile})" if tile not in (None, GPU_REFERENCE_TILES[0]) and error is None else ""
-    return seconds, error, note
+    return (make if error is None else None), error, note
 
 
 def _warm_up(platform: str, device) -> None:
@@ -166,21 +179,30 @@ def main(argv: list[str] | None = None) -> int:
             for D in map(int, args.head_dims.split(",")):
                 for dtype in args.dtypes.split(","):
                     case = Case(T=T, D=D, H=8, K=2, dtype=dtype)
-                    refs = {}
-                    for direction in directions:
-                        if not args.no_reference:
-                            ref_case = case if target.platform == "tpu" else Case(T=T, D=D, H=8, K=8, dtype=dtype)
-                            refs[direction] = _reference_time(target.platform, ref_case, device, direction,
-                                                              args.repeats, args.entry)
+                    makers, refs = {}, {}
+                    if not args.no_reference:
+                        ref_case = case if target.platform == "tpu" else Case(T=T, D=D, H=8, K=8, dtype=dtype)
+                        for direction in directions:
+                            make, error, note = _reference_maker(target.platform, ref_case, device, direction,
+                                                                 args.entry)
+                            refs[direction] = (error, note)
+                            if make is not None:
+                                makers["reference", direction] = make
                     programs = functools.partial(kernel_programs, case, device, kernels=kernels,
                                                  directions=directions, entry=args.entry)
-                    for n, prog in enumerate(programs()):
+                    listed = programs()
+                    for n, prog in enumerate(listed):
                         def make(n=n):  # the same program, as a new function
                             fresh = programs()[n]
                             return fresh.fn, fresh.args, fresh.free_layouts
 
-                        seconds, error = _median_compile(make, target.platform, args.repeats)
-                        ref_s, ref_error, note = refs.get(prog.direction, (None, None, ""))
+                        makers[n] = make
+                    timed = _rounds(makers, target.platform, args.repeats)
+                    for n, prog in enumerate(listed):
+                        seconds, error = timed[n]
+                        ref_error, note = refs.get(prog.direction, (None, ""))
+                        ref_s, ref_run_error = timed.get(("reference", prog.direction), (None, None))
+                        ref_error = ref_error or ref_run_error
                         failed += error is not None
                         ratio = f"{seconds / ref_s:.2f}" if seconds and ref_s else "-"
                         shown = f"{seconds:.2f}" if seconds is not None else f"FAILED {error}"

@@ -52,7 +52,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
-from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, triton_compiler_params
+from kernels_pallas.common import backward_tile, next_pow2 as _next_pow2, pad_axis, triton_compiler_params
 
 
 
@@ -337,11 +337,13 @@ def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
     )(fwd_tab, seg_p, seg_p, _layout(q, blocks), _layout(k, blocks), _layout(v, blocks))
 
 
-def _backward(blocks: SparseTritonBlocks, res, do):
+def _backward(fwd_blocks: SparseTritonBlocks, res, do):
     q, k, v, seg, fwd_tab, bwd_tab, o, lse = res
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
+    # the routing blocks (and so Tp and the tables) are the forward's; the tiles the backward's
+    blocks = dataclasses.replace(fwd_blocks, tile=backward_tile(fwd_blocks.tile))
     tile, nsub, Dp, Tp = blocks.tile, blocks.nsub, blocks.Dp, blocks.Tp
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
     qt, kt, vt = _layout(q, blocks), _layout(k, blocks), _layout(v, blocks)

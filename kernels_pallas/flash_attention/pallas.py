@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, range_of_true
-from kernels_pallas.common import triton_compiler_params, unless_skip
+from kernels_pallas.common import backward_tile, triton_compiler_params, unless_skip
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -260,7 +260,7 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
     G = H // K
     bq, Dp = blocks.bq, blocks.Dp
     seg_q, seg_k = _segs(seg, blocks)
-    kinds, k_range, q_range = block_tables(seg_q, seg_k, blocks)
+    kinds, k_range, _ = block_tables(seg_q, seg_k, blocks)
     qt = _layout(q, blocks.Tq, blocks)
     kt, vt = _layout(k, blocks.Tk, blocks), _layout(v, blocks.Tk, blocks)
     o, lse = pl.pallas_call(
@@ -287,19 +287,28 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
         compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_fwd",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
-    return o, lse, (kinds, k_range, q_range)
+    return o, lse
 
 
-def _backward(blocks: FlashTritonBlocks, res, do):
-    q, k, v, seg, o, lse, (kinds, k_range, q_range) = res
+def backward_blocks(blocks: FlashTritonBlocks) -> FlashTritonBlocks:
+    """The backward's grid: the forward's tiles cut to `common.backward_tile` (its padded
+    lengths are at most the forward's, so o and lse are sliced, never padded)."""
+    return dataclasses.replace(blocks, bq=backward_tile(blocks.bq), bk=backward_tile(blocks.bk))
+
+
+def _backward(fwd_blocks: FlashTritonBlocks, res, do):
+    q, k, v, seg, o, lse = res
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
+    blocks = backward_blocks(fwd_blocks)
     bq, bk, Dp, Tq, Tk = blocks.bq, blocks.bk, blocks.Dp, blocks.Tq, blocks.Tk
     seg_q, seg_k = _segs(seg, blocks)
+    kinds, k_range, q_range = block_tables(seg_q, seg_k, blocks)
     qt, kt, vt = _layout(q, Tq, blocks), _layout(k, Tk, blocks), _layout(v, Tk, blocks)
     dot = _layout(do, Tq, blocks)  # padded rows and columns get a zero cotangent
-    delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+    lse = lse[:, :, :Tq]
+    delta = (dot.astype(jnp.float32) * o[:, :, :Tq].astype(jnp.float32)).sum(-1)  # [B, H, Tq]
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, blocks=blocks),
@@ -369,8 +378,8 @@ def _flash(q, k, v, seg, blocks):
 
 
 def _flash_fwd(q, k, v, seg, blocks):
-    o, lse, tables = _forward(q, k, v, seg, blocks)
-    return _unlayout(o, blocks, q.dtype), (q, k, v, seg, o, lse, tables)
+    o, lse = _forward(q, k, v, seg, blocks)
+    return _unlayout(o, blocks, q.dtype), (q, k, v, seg, o, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)

@@ -35,13 +35,14 @@ there (ring.py says so up front).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, NN, NT, TN, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
+from kernels_pallas.common import NEG, NN, NT, TN, backward_tile, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
 from kernels_pallas.common import out_struct as _out_struct
 from kernels_pallas.ring_chunk import tables
 from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks
@@ -212,6 +213,21 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
     return _unlayout(o, blocks.Lq, blocks), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
 
 
+def backward_blocks(blocks: ChunkBlocks) -> ChunkBlocks:
+    """The backward's grid: the forward's tiles cut to `common.backward_tile`."""
+    return dataclasses.replace(blocks, bq=backward_tile(blocks.bq), bk=backward_tile(blocks.bk))
+
+
+def backward_select(select, blocks: ChunkBlocks):
+    """A block selection [B, K, nq, nk] under the forward's blocks -> the same pairs under
+    `backward_blocks` (each entry repeated over the tiles of its block); None stays None."""
+    if select is None:
+        return None
+    bw = backward_blocks(blocks)
+    select = jnp.repeat(jnp.repeat(select, blocks.bq // bw.bq, 2), blocks.bk // bw.bk, 3)
+    return select[:, :, : bw.nq, : bw.nk]
+
+
 def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, active,
                           blocks: ChunkBlocks, select=None, grad_dtype=jnp.float32, out=None):
     """dq [B, Lq, H, D], dk and dv [B, Lk, K, D] in grad_dtype of one chunk pair, given the global
@@ -221,6 +237,8 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
     B, _, H, _ = q.shape
     K = k.shape[2]
     G = H // K
+    select = backward_select(select, blocks)
+    blocks = backward_blocks(blocks)
     bq, bk, Dp = blocks.bq, blocks.bk, blocks.Dp
     Lqp, Lkp, nq, nk = blocks.Lqp, blocks.Lkp, blocks.nq, blocks.nk
     ids, kinds = _tables(seg_q, pos_q, seg_k, pos_k, active, blocks, K, select)

@@ -91,7 +91,9 @@ def _selections(B, K, n, local, rng):
 
 # (name, B, L, H, K, D, block, local)
 CASES = [("local-gqa2", 2, 64, 4, 2, 16, 16, True),
-         ("split-gqa2-d24", 2, 64, 4, 2, 24, 16, False)]  # D padded to 32
+         ("split-gqa2-d24", 2, 64, 4, 2, 24, 16, False),  # D padded to 32
+         # blocks of 64, the backward's of 32: the selection refined (pallas.backward_select)
+         ("split-gqa2-b64-bwd32", 1, 128, 4, 2, 16, 64, False)]
 PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
     pytest.param(CASES[0], jnp.bfloat16, id=f"{CASES[0][0]}-bf16")]
 
