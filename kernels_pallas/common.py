@@ -225,6 +225,13 @@ def backward_tile(b: int) -> int:
     return TRITON_BACKWARD_TILE if b % TRITON_BACKWARD_TILE == 0 else b
 
 
+def backward_blocks(blocks):
+    """The backward's grid of a Triton kernel's blocks (a dataclass with bq and bk: flash's,
+    the chunk op's): the forward's tiles cut to `backward_tile`, so its padded lengths are at
+    most the forward's (forward outputs are sliced for it, never padded)."""
+    return dataclasses.replace(blocks, bq=backward_tile(blocks.bq), bk=backward_tile(blocks.bk))
+
+
 def triton_compiler_params(interpret: bool, tile_elements: int):
     """Compiled Pallas on GPU goes through the Triton lowering, chosen explicitly: in this JAX
     jax_pallas_use_mosaic_gpu defaults to True, and a pallas_call without compiler params would

@@ -45,7 +45,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, range_of_true
-from kernels_pallas.common import backward_tile, triton_compiler_params, unless_skip
+from kernels_pallas.common import backward_blocks, triton_compiler_params, unless_skip
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -288,12 +288,6 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
         name="flash_attention_fwd",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt)
     return o, lse
-
-
-def backward_blocks(blocks: FlashTritonBlocks) -> FlashTritonBlocks:
-    """The backward's grid: the forward's tiles cut to `common.backward_tile` (its padded
-    lengths are at most the forward's, so o and lse are sliced, never padded)."""
-    return dataclasses.replace(blocks, bq=backward_tile(blocks.bq), bk=backward_tile(blocks.bk))
 
 
 def _backward(fwd_blocks: FlashTritonBlocks, res, do):

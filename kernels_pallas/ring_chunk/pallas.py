@@ -35,14 +35,13 @@ there (ring.py says so up front).
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kernels_pallas.common import NEG, NN, NT, TN, backward_tile, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
+from kernels_pallas.common import NEG, NN, NT, TN, backward_blocks, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
 from kernels_pallas.common import out_struct as _out_struct
 from kernels_pallas.ring_chunk import tables
 from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks
@@ -213,14 +212,9 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
     return _unlayout(o, blocks.Lq, blocks), lse[:, :, : blocks.Lq].transpose(0, 2, 1)
 
 
-def backward_blocks(blocks: ChunkBlocks) -> ChunkBlocks:
-    """The backward's grid: the forward's tiles cut to `common.backward_tile`."""
-    return dataclasses.replace(blocks, bq=backward_tile(blocks.bq), bk=backward_tile(blocks.bk))
-
-
 def backward_select(select, blocks: ChunkBlocks):
     """A block selection [B, K, nq, nk] under the forward's blocks -> the same pairs under
-    `backward_blocks` (each entry repeated over the tiles of its block); None stays None."""
+    `common.backward_blocks` (each entry repeated over the tiles of its block); None stays None."""
     if select is None:
         return None
     bw = backward_blocks(blocks)

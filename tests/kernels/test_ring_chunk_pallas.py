@@ -78,7 +78,7 @@ def _split_ids(B, L, rng):
 CASES = [
     ("local-gqa2-32x16", 2, 45, 4, 2, 16, 32, 16, True),
     ("split-gqa4-16x32-d24", 2, 45, 4, 1, 24, 16, 32, False),  # D padded to 32
-    # forward tiles 64 x 64, the backward's 32 x 32 (pallas.backward_blocks): other tables
+    # forward tiles 64 x 64, the backward's 32 x 32 (common.backward_blocks): other tables
     ("local-gqa2-64x64-bwd32", 2, 45, 4, 2, 16, 64, 64, True),
 ]  # GQA 1: test_chunks_merge_with_global_lse; GQA 2 also in the ring tests
 PARAMS = [pytest.param(c, jnp.float32, id=f"{c[0]}-f32") for c in CASES] + [
