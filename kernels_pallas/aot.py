@@ -21,8 +21,8 @@ default, stands in for the layer's neighbours: q, k, v as [B, T, N * D], their l
 outputs' left to the compiler (`jax.experimental.layout` AUTO, `Program.free_layouts`).
 `scripts/compile_kernels.py` gives JAX's GPU kernel the same and splash attention its own
 [B, N, T, D] (AUTO too), so splash compiles no transpose from a layer's [B, T, N, D] while
-jaxsb's transposes to other layouts (Mosaic at D = 64 and the Triton kernels: [B, N, T, D])
-are compiled under both entries.
+jaxsb's Mosaic kernels at D = 64 transpose to [B, N, T, D] under both entries (the Triton
+kernels, like JAX's, read [B, T, N, D] as it is).
 """
 
 from __future__ import annotations

@@ -29,7 +29,8 @@ slowly); then it is split into nsub = bs / tile tiles (`sub_tile`), the routing 
 skipped: key tiles after the query tile's own (forward, dQ), query tiles before the key tile's
 own (dK/dV).
 
-Layout inside (as in flash_attention/pallas.py): q/o [B, H, Tp, Dp], k/v [B, K, Tp, Dp], Dp = D
+Layout inside (as in flash_attention/pallas.py): q/o [B, Tp, H, Dp], k/v [B, Tp, K, Dp] (the
+caller's layout, padded only: common.triton_layout), lse and delta [B, H, Tp], Dp = D
 padded to a power of two >= 16 (Triton wants power-of-two loads and dots >= 16), zeros in the
 padded columns. T is padded to Tp = nq * block_size; padded queries copy the last segment id
 (their outputs are sliced off, their cotangent is zero); padded keys are masked by position.
@@ -53,6 +54,7 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import backward_tile, next_pow2 as _next_pow2, pad_axis, triton_compiler_params
+from kernels_pallas.common import group_block, head_block, row_delta, triton_layout, triton_unlayout
 
 
 
@@ -272,8 +274,8 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
         def query_tile(q_start, carry):
             dk, dv = carry
             q_slice = pl.ds(pl.multiple_of(q_start, tile), tile)
-            q = q_ref[g, q_slice, :]
-            do = do_ref[g, q_slice, :]
+            q = q_ref[q_slice, g, :]
+            do = do_ref[q_slice, g, :]
             mask = _mask(sq_ref[q_slice], sk, q_start, t * tile, blocks)
             s = _mm(q, k, _NT, blocks.interpret) * blocks.scale
             p = jnp.where(mask, jnp.exp(s - lse_ref[g, q_slice][:, None]), 0.0)
@@ -298,12 +300,12 @@ def _dkv_kernel(tab_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_ref, lse_ref, d
 
 
 def _layout(x_BxTxNxD, blocks: SparseTritonBlocks):
-    """[B, T, N, D] -> [B, N, Tp, Dp] (zero padding), input dtype kept."""
-    return pad_axis(pad_axis(x_BxTxNxD, 1, blocks.Tp), 3, blocks.Dp).transpose(0, 2, 1, 3)
+    """[B, T, N, D] -> [B, Tp, N, Dp] (common.triton_layout: zero padding), dtype kept."""
+    return triton_layout(x_BxTxNxD, blocks.Tp, blocks.Dp)
 
 
-def _unlayout(x_BxNxTpxDp, blocks: SparseTritonBlocks, dtype):
-    return x_BxNxTpxDp[:, :, : blocks.T, : blocks.D].transpose(0, 2, 1, 3).astype(dtype)
+def _unlayout(x_BxTpxNxDp, blocks: SparseTritonBlocks, dtype):
+    return triton_unlayout(x_BxTpxNxDp, blocks.T, blocks.D, dtype)
 
 
 def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
@@ -319,16 +321,16 @@ def _forward(q, k, v, seg, fwd_tab, blocks: SparseTritonBlocks):
             pl.BlockSpec((None, None, None, W), lambda b, h, t: (b, h // G, t // nsub, 0)),  # table row
             pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),  # query segment ids
             pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),  # key segment ids (whole row)
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # q tile
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # k row
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # v row
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),  # q tile
+            head_block(Tp, Dp, lambda b, h, t: (b, 0, h // G)),  # k row
+            head_block(Tp, Dp, lambda b, h, t: (b, 0, h // G)),  # v row
         ],
         out_specs=[
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),
             pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B, Tp, H, Dp), q.dtype),
             jax.ShapeDtypeStruct((B, H, Tp), jnp.float32),
         ],
         interpret=blocks.interpret,
@@ -348,7 +350,7 @@ def _backward(fwd_blocks: SparseTritonBlocks, res, do):
     seg_p = pad_axis(seg, 1, Tp, mode="edge")
     qt, kt, vt = _layout(q, blocks), _layout(k, blocks), _layout(v, blocks)
     dot = _layout(do, blocks)  # padded rows and columns get a zero cotangent
-    delta = (dot.astype(jnp.float32) * o.astype(jnp.float32)).sum(-1)  # [B, H, Tp]
+    delta = row_delta(dot, o)  # [B, H, Tp]
     W = fwd_tab.shape[-1]
 
     dq = pl.pallas_call(
@@ -358,21 +360,23 @@ def _backward(fwd_blocks: SparseTritonBlocks, res, do):
             pl.BlockSpec((None, None, None, W), lambda b, h, t: (b, h // G, t // nsub, 0)),
             pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),
             pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # q
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # k
-            pl.BlockSpec((None, None, Tp, Dp), lambda b, h, t: (b, h // G, 0, 0)),  # v
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # do
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),  # q
+            head_block(Tp, Dp, lambda b, h, t: (b, 0, h // G)),  # k
+            head_block(Tp, Dp, lambda b, h, t: (b, 0, h // G)),  # v
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),  # do
             pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),  # lse
             pl.BlockSpec((None, None, tile), lambda b, h, t: (b, h, t)),  # delta
         ],
-        out_specs=pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, H, Tp, Dp), q.dtype),
+        out_specs=head_block(tile, Dp, lambda b, h, t: (b, t, h)),
+        out_shape=jax.ShapeDtypeStruct((B, Tp, H, Dp), q.dtype),
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_dq",
     )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
 
-    # Query-side arrays per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    # Query-side arrays per kv head (free reshapes): q and do [B, Tp, H, Dp] ->
+    # [B, Tp, K, G, Dp], lse and delta [B, H, Tp] -> [B, K, G, Tp].
+    grouped_heads = lambda x: x.reshape(B, Tp, K, G, Dp)  # noqa: E731
     grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
     Wb = bwd_tab.shape[-1]
     dk, dv = pl.pallas_call(
@@ -382,25 +386,25 @@ def _backward(fwd_blocks: SparseTritonBlocks, res, do):
             pl.BlockSpec((None, None, None, Wb), lambda b, h, t: (b, h, t // nsub, 0)),  # table row
             pl.BlockSpec((None, Tp), lambda b, h, t: (b, 0)),  # query segment ids (row)
             pl.BlockSpec((None, tile), lambda b, h, t: (b, t)),  # key segment ids (tile)
-            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, t: (b, h, 0, 0, 0)),  # q
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # k
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),  # v
-            pl.BlockSpec((None, None, G, Tp, Dp), lambda b, h, t: (b, h, 0, 0, 0)),  # do
+            group_block(Tp, G, Dp, lambda b, h, t: (b, h)),  # q
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),  # k
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),  # v
+            group_block(Tp, G, Dp, lambda b, h, t: (b, h)),  # do
             pl.BlockSpec((None, None, G, Tp), lambda b, h, t: (b, h, 0, 0)),  # lse
             pl.BlockSpec((None, None, G, Tp), lambda b, h, t: (b, h, 0, 0)),  # delta
         ],
         out_specs=[
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
-            pl.BlockSpec((None, None, tile, Dp), lambda b, h, t: (b, h, t, 0)),
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),
+            head_block(tile, Dp, lambda b, h, t: (b, t, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, Tp, Dp), k.dtype),
-            jax.ShapeDtypeStruct((B, K, Tp, Dp), v.dtype),
+            jax.ShapeDtypeStruct((B, Tp, K, Dp), k.dtype),
+            jax.ShapeDtypeStruct((B, Tp, K, Dp), v.dtype),
         ],
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_dkv",
-    )(bwd_tab, seg_p, seg_p, grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta))
+    )(bwd_tab, seg_p, seg_p, grouped_heads(qt), kt, vt, grouped_heads(dot), grouped(lse), grouped(delta))
     return (
         _unlayout(dq, blocks, q.dtype),
         _unlayout(dk, blocks, k.dtype),

@@ -12,10 +12,12 @@ the operands instead made Triton emit scalar FMA loops: ~15x slower to compile (
     that share it (GQA) and the query blocks that can see it, accumulating dK and dV.
 delta = rowsum(dO * O) is a cheap elementwise pass done in jnp before the backward kernels.
 
-Layout inside: q/o [B, H, Tq, Dp] (viewed as [B, K, G, Tq, Dp] by the dK/dV kernel, so query
-head h = kv_head * G + g reads kv head h // G), k/v [B, K, Tk, Dp]. Dp is D padded up to a power
-of two >= 16 (the Triton lowering wants power-of-two loads and dot sizes >= 16); the padded
-columns are zeros, change no score, and are sliced off.
+Layout inside: q/o [B, Tq, H, Dp] (viewed as [B, Tq, K, G, Dp] by the dK/dV kernel, so query
+head h = kv_head * G + g reads kv head h // G), k/v [B, Tk, K, Dp]: the caller's [B, T, N, D],
+padded only (`common.triton_layout`; a kernel reads one head's rows with a stride, as JAX's
+own GPU attention does, so no transpose is compiled or run); lse and delta [B, H, Tq]. Dp is D
+padded up to a power of two >= 16 (the Triton lowering wants power-of-two loads and dot sizes
+>= 16); the padded columns are zeros, change no score, and are sliced off.
 
 Work skipping, per batch row (each program knows its row): `block_tables` classifies every
 (query block, key block) pair from per-block segment-id ranges as SKIP / FULL / PARTIAL (the
@@ -46,6 +48,7 @@ from jax.experimental import pallas as pl
 from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, range_of_true
 from kernels_pallas.common import backward_blocks, triton_compiler_params, unless_skip
+from kernels_pallas.common import group_block, head_block, row_delta, triton_layout, triton_unlayout
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -217,8 +220,8 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
     def update(carry, g, qi):
         dk, dv = carry
         q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
-        q = q_ref[g, q_slice, :]
-        do = do_ref[g, q_slice, :]
+        q = q_ref[q_slice, g, :]
+        do = do_ref[q_slice, g, :]
         p = jnp.exp(_mm(q, k, _NT, blocks.interpret) * blocks.scale - lse_ref[g, q_slice][:, None])  # [bq, bk]
         p = jnp.where(_mask(sq_ref[q_slice], sk, qi * bq, k_start, blocks, (bq, bk)), p, 0.0)
         dv = dv + _mm(p.astype(do.dtype), do, _TN, blocks.interpret)
@@ -241,13 +244,6 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-def _layout(x_BxTxNxD, Tpad, blocks: FlashTritonBlocks):
-    """[B, T, N, D] -> [B, N, Tpad, Dp] (zero padding), input dtype kept."""
-    return pad_axis(pad_axis(x_BxTxNxD, 1, Tpad), 3, blocks.Dp).transpose(0, 2, 1, 3)
-
-
-def _unlayout(x_BxNxTpxDp, blocks: FlashTritonBlocks, dtype):
-    return x_BxNxTpxDp[:, :, : blocks.T, : blocks.D].transpose(0, 2, 1, 3).astype(dtype)
 
 
 def _segs(seg, blocks: FlashTritonBlocks):
@@ -261,8 +257,8 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
     bq, Dp = blocks.bq, blocks.Dp
     seg_q, seg_k = _segs(seg, blocks)
     kinds, k_range, _ = block_tables(seg_q, seg_k, blocks)
-    qt = _layout(q, blocks.Tq, blocks)
-    kt, vt = _layout(k, blocks.Tk, blocks), _layout(v, blocks.Tk, blocks)
+    qt = triton_layout(q, blocks.Tq, Dp)
+    kt, vt = triton_layout(k, blocks.Tk, Dp), triton_layout(v, blocks.Tk, Dp)
     o, lse = pl.pallas_call(
         functools.partial(_fwd_kernel, blocks=blocks),
         grid=(B, H, blocks.nq),
@@ -271,16 +267,16 @@ def _forward(q, k, v, seg, blocks: FlashTritonBlocks):
             pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),  # key-block range
             pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),  # seg_q block
             pl.BlockSpec((None, blocks.Tk), lambda b, h, i: (b, 0)),  # seg_k row
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
-            pl.BlockSpec((None, None, blocks.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
-            pl.BlockSpec((None, None, blocks.Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),
+            head_block(blocks.Tk, Dp, lambda b, h, i: (b, 0, h // G)),
+            head_block(blocks.Tk, Dp, lambda b, h, i: (b, 0, h // G)),
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, H, blocks.Tq, Dp), q.dtype),
+            jax.ShapeDtypeStruct((B, blocks.Tq, H, Dp), q.dtype),
             jax.ShapeDtypeStruct((B, H, blocks.Tq), jnp.float32),
         ],
         interpret=blocks.interpret,
@@ -299,10 +295,10 @@ def _backward(fwd_blocks: FlashTritonBlocks, res, do):
     bq, bk, Dp, Tq, Tk = blocks.bq, blocks.bk, blocks.Dp, blocks.Tq, blocks.Tk
     seg_q, seg_k = _segs(seg, blocks)
     kinds, k_range, q_range = block_tables(seg_q, seg_k, blocks)
-    qt, kt, vt = _layout(q, Tq, blocks), _layout(k, Tk, blocks), _layout(v, Tk, blocks)
-    dot = _layout(do, Tq, blocks)  # padded rows and columns get a zero cotangent
+    qt, kt, vt = triton_layout(q, Tq, Dp), triton_layout(k, Tk, Dp), triton_layout(v, Tk, Dp)
+    dot = triton_layout(do, Tq, Dp)  # padded rows and columns get a zero cotangent
     lse = lse[:, :, :Tq]
-    delta = (dot.astype(jnp.float32) * o[:, :, :Tq].astype(jnp.float32)).sum(-1)  # [B, H, Tq]
+    delta = row_delta(dot, o[:, :Tq])  # [B, H, Tq]
 
     dq = pl.pallas_call(
         functools.partial(_dq_kernel, blocks=blocks),
@@ -312,21 +308,23 @@ def _backward(fwd_blocks: FlashTritonBlocks, res, do):
             pl.BlockSpec((None, None, 2), lambda b, h, i: (b, i, 0)),
             pl.BlockSpec((None, bq), lambda b, h, i: (b, i)),
             pl.BlockSpec((None, Tk), lambda b, h, i: (b, 0)),
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),  # q
-            pl.BlockSpec((None, None, Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # k
-            pl.BlockSpec((None, None, Tk, Dp), lambda b, h, i: (b, h // G, 0, 0)),  # v
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),  # do
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),  # q
+            head_block(Tk, Dp, lambda b, h, i: (b, 0, h // G)),  # k
+            head_block(Tk, Dp, lambda b, h, i: (b, 0, h // G)),  # v
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),  # do
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),  # lse
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),  # delta
         ],
-        out_specs=pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
-        out_shape=jax.ShapeDtypeStruct((B, H, Tq, Dp), q.dtype),
+        out_specs=head_block(bq, Dp, lambda b, h, i: (b, i, h)),
+        out_shape=jax.ShapeDtypeStruct((B, Tq, H, Dp), q.dtype),
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_dq",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
 
-    # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    # Query-side arrays seen per kv head (free reshapes): q and do [B, Tq, H, Dp] ->
+    # [B, Tq, K, G, Dp], lse and delta [B, H, Tq] -> [B, K, G, Tq].
+    grouped_heads = lambda x: x.reshape(B, Tq, K, G, Dp)  # noqa: E731
     grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, blocks=blocks, G=G),
@@ -336,44 +334,44 @@ def _backward(fwd_blocks: FlashTritonBlocks, res, do):
             pl.BlockSpec((None, None, 2), lambda b, h, j: (b, j, 0)),
             pl.BlockSpec((None, Tq), lambda b, h, j: (b, 0)),
             pl.BlockSpec((None, bk), lambda b, h, j: (b, j)),
-            pl.BlockSpec((None, None, G, Tq, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # q
-            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),  # k
-            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),  # v
-            pl.BlockSpec((None, None, G, Tq, Dp), lambda b, h, j: (b, h, 0, 0, 0)),  # do
+            group_block(Tq, G, Dp, lambda b, h, j: (b, h)),  # q
+            head_block(bk, Dp, lambda b, h, j: (b, j, h)),  # k
+            head_block(bk, Dp, lambda b, h, j: (b, j, h)),  # v
+            group_block(Tq, G, Dp, lambda b, h, j: (b, h)),  # do
             pl.BlockSpec((None, None, G, Tq), lambda b, h, j: (b, h, 0, 0)),  # lse
             pl.BlockSpec((None, None, G, Tq), lambda b, h, j: (b, h, 0, 0)),  # delta
         ],
         out_specs=[
-            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),
-            pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0)),
+            head_block(bk, Dp, lambda b, h, j: (b, j, h)),
+            head_block(bk, Dp, lambda b, h, j: (b, j, h)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((B, K, Tk, Dp), k.dtype),
-            jax.ShapeDtypeStruct((B, K, Tk, Dp), v.dtype),
+            jax.ShapeDtypeStruct((B, Tk, K, Dp), k.dtype),
+            jax.ShapeDtypeStruct((B, Tk, K, Dp), v.dtype),
         ],
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret, blocks.bq * blocks.bk),
         name="flash_attention_dkv",
     )(
         kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,
-        grouped(qt), kt, vt, grouped(dot), grouped(lse), grouped(delta),
+        grouped_heads(qt), kt, vt, grouped_heads(dot), grouped(lse), grouped(delta),
     )
     return (
-        _unlayout(dq, blocks, q.dtype),
-        _unlayout(dk, blocks, k.dtype),
-        _unlayout(dv, blocks, v.dtype),
+        triton_unlayout(dq, blocks.T, blocks.D, q.dtype),
+        triton_unlayout(dk, blocks.T, blocks.D, k.dtype),
+        triton_unlayout(dv, blocks.T, blocks.D, v.dtype),
         None,
     )
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
 def _flash(q, k, v, seg, blocks):
-    return _unlayout(_forward(q, k, v, seg, blocks)[0], blocks, q.dtype)
+    return triton_unlayout(_forward(q, k, v, seg, blocks)[0], blocks.T, blocks.D, q.dtype)
 
 
 def _flash_fwd(q, k, v, seg, blocks):
     o, lse = _forward(q, k, v, seg, blocks)
-    return _unlayout(o, blocks, q.dtype), (q, k, v, seg, o, lse)
+    return triton_unlayout(o, blocks.T, blocks.D, q.dtype), (q, k, v, seg, o, lse)
 
 
 _flash.defvjp(_flash_fwd, _backward)

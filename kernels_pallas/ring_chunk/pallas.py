@@ -22,8 +22,9 @@ inside it and masks the others (FULL ones too: one copy of the body, `common.unl
 skipped blocks are never loaded. A device whose ring round is idle passes active=False: every pair is SKIP and every
 range empty, so its programs only write zeros.
 
-Layout inside: q/o [B, H, Lqp, Dp] (viewed as [B, K, G, Lqp, Dp] by the dK/dV kernel), k/v
-[B, K, Lkp, Dp]; ids and positions [B, L] int32. Lqp / Lkp are whole blocks (fill ids match
+Layout inside: q/o [B, Lqp, H, Dp] (viewed as [B, Lqp, K, G, Dp] by the dK/dV kernel), k/v
+[B, Lkp, K, Dp] (the caller's layout, padded only: common.triton_layout), lse and delta
+[B, H, Lqp]; ids and positions [B, L] int32. Lqp / Lkp are whole blocks (fill ids match
 nothing), Dp is D padded to a power of two >= 16 (zero columns change no score).
 
 GPU: compiled kernels go through the Triton lowering with explicit compiler params
@@ -42,7 +43,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN, NT, TN, backward_blocks, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
-from kernels_pallas.common import out_struct as _out_struct
+from kernels_pallas.common import group_block, head_block, out_struct as _out_struct, triton_layout, triton_unlayout
 from kernels_pallas.ring_chunk import tables
 from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks
 
@@ -119,8 +120,8 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_
     def update(carry, g, qi):
         dk, dv = carry
         q_slice = pl.ds(pl.multiple_of(qi * bq, bq), bq)
-        q = q_ref[g, q_slice, :]
-        do = do_ref[g, q_slice, :].astype(q.dtype)
+        q = q_ref[q_slice, g, :]
+        do = do_ref[q_slice, g, :].astype(q.dtype)
         p = jnp.exp(_mm(q, k, NT, blocks.interpret) * blocks.scale - lse_ref[g, q_slice][:, None])  # [bq, bk]
         p = jnp.where(_mask(sq_ref[q_slice], pq_ref[q_slice], sk, pk), p, 0.0)
         dv = dv + _mm(p.astype(do.dtype), do, TN, blocks.interpret)
@@ -144,12 +145,12 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, pq_ref, sk_ref, pk_ref, q_ref, k_
 
 
 def _layout(x_BxLxNxD, Lp, blocks: ChunkBlocks):
-    """[B, L, N, D] -> [B, N, Lp, Dp] (zero padding), dtype kept."""
-    return pad_axis(pad_axis(x_BxLxNxD, 1, Lp), 3, blocks.Dp).transpose(0, 2, 1, 3)
+    """[B, L, N, D] -> [B, Lp, N, Dp] (common.triton_layout: zero padding), dtype kept."""
+    return triton_layout(x_BxLxNxD, Lp, blocks.Dp)
 
 
-def _unlayout(x_BxNxLpxDp, L, blocks: ChunkBlocks):
-    return x_BxNxLpxDp[:, :, :L, : blocks.D].transpose(0, 2, 1, 3)
+def _unlayout(x_BxLpxNxDp, L, blocks: ChunkBlocks):
+    return triton_unlayout(x_BxLpxNxDp, L, blocks.D, x_BxLpxNxDp.dtype)
 
 
 def _rows(x_BxLxH, Lp):
@@ -191,21 +192,21 @@ def chunk_forward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, active, blocks: Ch
     qt, kt, vt = _layout(q, blocks.Lqp, blocks), _layout(k, Lkp, blocks), _layout(v, Lkp, blocks)
     q_ids = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
     k_ids = pl.BlockSpec((None, Lkp), lambda b, h, i: (b, 0))
-    kv = pl.BlockSpec((None, None, Lkp, Dp), lambda b, h, i: (b, h // G, 0, 0))
+    kv = head_block(Lkp, Dp, lambda b, h, i: (b, 0, h // G))
     o, lse = _call(
         functools.partial(_fwd_kernel, blocks=blocks), "ring_chunk_fwd", (B, H, blocks.nq),
         [
             pl.BlockSpec((None, None, None, nk), lambda b, h, i: (b, h // G, i, 0)),  # kinds row
             pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),  # key range
             q_ids, q_ids, k_ids, k_ids,
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),
             kv, kv,
         ],
         [
-            pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0)),
+            head_block(bq, Dp, lambda b, h, i: (b, i, h)),
             pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i)),
         ],
-        [_out_struct((B, H, blocks.Lqp, Dp), out_dtype, qt),
+        [_out_struct((B, blocks.Lqp, H, Dp), out_dtype, qt),
          _out_struct((B, H, blocks.Lqp), jnp.float32, qt)],
         blocks,
     )(kinds, tables.visit_ranges(kinds), *ids, qt, kt, vt)
@@ -245,8 +246,8 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
 
     q_ids = pl.BlockSpec((None, bq), lambda b, h, i: (b, i))
     k_ids = pl.BlockSpec((None, Lkp), lambda b, h, i: (b, 0))
-    q_blk = pl.BlockSpec((None, None, bq, Dp), lambda b, h, i: (b, h, i, 0))
-    kv_all = pl.BlockSpec((None, None, Lkp, Dp), lambda b, h, i: (b, h // G, 0, 0))
+    q_blk = head_block(bq, Dp, lambda b, h, i: (b, i, h))
+    kv_all = head_block(Lkp, Dp, lambda b, h, i: (b, 0, h // G))
     q_row = pl.BlockSpec((None, None, bq), lambda b, h, i: (b, h, i))
     dq = _call(
         functools.partial(_dq_kernel, blocks=blocks), "ring_chunk_dq", (B, H, nq),
@@ -255,15 +256,17 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
             pl.BlockSpec((None, None, None, 2), lambda b, h, i: (b, h // G, i, 0)),
             q_ids, q_ids, k_ids, k_ids, q_blk, kv_all, kv_all, q_blk, q_row, q_row,
         ],
-        q_blk, _out_struct((B, H, Lqp, Dp), grad_dtype, qt), blocks,
+        q_blk, _out_struct((B, Lqp, H, Dp), grad_dtype, qt), blocks,
     )(kinds, k_range, *ids, qt, kt, vt, dot_, lse_t, delta_t)
 
-    # Query-side arrays seen per kv head: [B, H, ...] -> [B, K, G, ...] (free reshapes).
+    # Query-side arrays seen per kv head (free reshapes): q and do [B, Lqp, H, Dp] ->
+    # [B, Lqp, K, G, Dp], lse and delta [B, H, Lqp] -> [B, K, G, Lqp].
+    grouped_heads = lambda x: x.reshape(B, Lqp, K, G, Dp)  # noqa: E731
     grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
     q_all_ids = pl.BlockSpec((None, Lqp), lambda b, h, j: (b, 0))
     k_blk_ids = pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
-    q_all = pl.BlockSpec((None, None, G, Lqp, Dp), lambda b, h, j: (b, h, 0, 0, 0))
-    kv_blk = pl.BlockSpec((None, None, bk, Dp), lambda b, h, j: (b, h, j, 0))
+    q_all = group_block(Lqp, G, Dp, lambda b, h, j: (b, h))
+    kv_blk = head_block(bk, Dp, lambda b, h, j: (b, j, h))
     rows_all = pl.BlockSpec((None, None, G, Lqp), lambda b, h, j: (b, h, 0, 0))
     dk, dv = _call(
         functools.partial(_dkv_kernel, blocks=blocks, G=G), "ring_chunk_dkv", (B, K, nk),
@@ -274,9 +277,9 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
             q_all, kv_blk, kv_blk, q_all, rows_all, rows_all,
         ],
         [kv_blk, kv_blk],
-        [_out_struct((B, K, Lkp, Dp), grad_dtype, kt)] * 2,
+        [_out_struct((B, Lkp, K, Dp), grad_dtype, kt)] * 2,
         blocks,
-    )(kinds_t, q_range, *ids, grouped(qt), kt, vt, grouped(dot_),
+    )(kinds_t, q_range, *ids, grouped_heads(qt), kt, vt, grouped_heads(dot_),
       grouped(lse_t), grouped(delta_t))
     return (_unlayout(dq, blocks.Lq, blocks), _unlayout(dk, blocks.Lk, blocks),
             _unlayout(dv, blocks.Lk, blocks))
