@@ -258,7 +258,11 @@ def group_block(rows: int, G: int, D_pad: int, index):
     """BlockSpec of the G query heads of one kv head, [rows, G, D_pad], of a [B, T, H, D_pad]
     array viewed as [B, T, K, G, D_pad] (a free reshape); index(*grid) -> (batch row, kv
     head); rows are the whole (padded) length."""
-    return pl.BlockSpec((None, rows, None, G, D_pad), lambda *a: (index(*a)[0], 0, index(*a)[1], 0, 0))
+    def block_index(*grid):
+        b, kv_head = index(*grid)
+        return b, 0, kv_head, 0, 0
+
+    return pl.BlockSpec((None, rows, None, G, D_pad), block_index)
 
 
 def row_delta(do_BxTxHxD, o_BxTxHxD):

@@ -244,8 +244,6 @@ def _dkv_kernel(kinds_ref, qrange_ref, sq_ref, sk_ref, q_ref, k_ref, v_ref, do_r
 # ----------------------------------------------------------------------------- pallas_calls
 
 
-
-
 def _segs(seg, blocks: FlashTritonBlocks):
     return pad_axis(seg, 1, blocks.Tq, mode="edge"), pad_axis(seg, 1, blocks.Tk, mode="edge")
 
