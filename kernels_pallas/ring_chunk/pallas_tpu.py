@@ -29,13 +29,15 @@ from kernels_pallas.mosaic import Geometry
 
 @dataclasses.dataclass(frozen=True)
 class TableWalk:
-    """Per (row, kv head): query block qi visits key blocks [first, last) of its range, with
-    the table's kind; key block kb's run visits query blocks [first, last) of its range."""
+    """Per row and kv head (or per row, kv_heads = 1: one table for every head): query block
+    qi visits key blocks [first, last) of its range, with the table's kind; key block kb's run
+    visits query blocks [first, last) of its range. Tables: (kinds, the key-block ranges'
+    firsts, their lasts, the query-block ranges' firsts, their lasts), each flat."""
 
     geo: Geometry
     kv_heads: int
-    fwd_tables = (0, 1)  # kinds, key-block ranges
-    bwd_tables = (0, 2)  # kinds, query-block ranges
+    fwd_tables = (0, 1, 2)  # kinds, key-block ranges
+    bwd_tables = (0, 3, 4)  # kinds, query-block ranges
 
     @property
     def fwd_steps(self) -> int:
@@ -49,22 +51,28 @@ class TableWalk:
     def bwd_steps(self) -> int:
         return self.geo.nq
 
+    def _row(self, b, kvh):
+        return b * self.kv_heads + (kvh if self.kv_heads > 1 else 0)
+
     def _kind(self, kinds, b, kvh, qi, kb):
-        return kinds[((b * self.kv_heads + kvh) * self.geo.nq + qi) * self.geo.nk + kb]
+        return kinds[(self._row(b, kvh) * self.geo.nq + qi) * self.geo.nk + kb]
+
+    def fwd_block(self, t, b, kvh, qi, step):
+        r = self._row(b, kvh) * self.geo.nq + qi
+        first, last = t[1][r], t[2][r]
+        return jnp.maximum(jnp.minimum(first + step, last - 1), 0)
 
     def fwd(self, t, b, kvh, qi, step):
-        kinds, k_range, _ = t
-        r = ((b * self.kv_heads + kvh) * self.geo.nq + qi) * 2
-        first, last = k_range[r], k_range[r + 1]
+        r = self._row(b, kvh) * self.geo.nq + qi
+        first, last = t[1][r], t[2][r]
         kb = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
-        return kb, jnp.where(first + step < last, self._kind(kinds, b, kvh, qi, kb), SKIP)
+        return kb, jnp.where(first + step < last, self._kind(t[0], b, kvh, qi, kb), SKIP)
 
     def bwd(self, t, b, kvh, kb, step):
-        kinds, _, q_range = t
-        r = ((b * self.kv_heads + kvh) * self.geo.nk + kb) * 2
-        first, last = q_range[r], q_range[r + 1]
+        r = self._row(b, kvh) * self.geo.nk + kb
+        first, last = t[3][r], t[4][r]
         qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
-        kind = jnp.where(first + step < last, self._kind(kinds, b, kvh, qi, kb), SKIP)
+        kind = jnp.where(first + step < last, self._kind(t[0], b, kvh, qi, kb), SKIP)
         return kb, qi, kind, step == 0, step == self.bwd_steps - 1
 
 
@@ -75,14 +83,16 @@ def _setup(q, k, seg_q, pos_q, seg_k, pos_k, active, blocks: ChunkBlocks, select
     geo = mosaic.make_geometry(blocks.Lq, blocks.D, blocks.bq, blocks.bk, False,
                                blocks.interpret, tpu_interpreter=False, T_kv=blocks.Lk,
                                positions=True)
-    K = k.shape[2]
     (sq, pq, sk, pk), kinds = chunk_pallas._tables(seg_q, pos_q, seg_k, pos_k, active, blocks,
-                                                   K, select)
-    tables = (kinds.reshape(-1), visit_ranges(kinds).reshape(-1),
-              visit_ranges(kinds.swapaxes(-1, -2)).reshape(-1))
+                                                   k.shape[2], select)
+    if select is None:  # the same table for every kv head: keep one
+        kinds = kinds[:, :1]
+    k_range, q_range = visit_ranges(kinds), visit_ranges(kinds.swapaxes(-1, -2))
+    tables = (kinds.reshape(-1), *(r[..., i].reshape(-1) for r in (k_range, q_range)
+                                   for i in (0, 1)))
     mosaic.check_smem(tables, f"ring chunk {blocks.Lq}x{blocks.Lk} with blocks "
                               f"{blocks.bq}x{blocks.bk}")
-    return geo, TableWalk(geo, K), tables, (sq, sk, pq, pk)
+    return geo, TableWalk(geo, kinds.shape[1]), tables, (sq, sk, pq, pk)
 
 
 def _layouts(q, k, v, geo: Geometry):

@@ -68,6 +68,8 @@ SEG_MAIN = [[150, 1, 100], [7, 1, 130, 12, 150]]
 FLASH_CASES = [
     # (name, H, K, D, causal, block_q, block_k, documents, dtype)
     ("gqa2-causal-128x128-d64", 2, 1, 64, True, 128, 128, SEG_MAIN, jnp.float32),
+    # key blocks of several mosaic.FWD_COMPUTE-key parts (the forward's loop)
+    ("gqa2-causal-128x256-d64", 2, 1, 64, True, 128, 256, SEG_MAIN, jnp.float32),
     ("gqa4-causal-128x256-d128-bf16", 4, 1, 128, True, 128, 256, SEG_MAIN[:1], jnp.bfloat16),
     ("gqa1-noncausal-256x128-d192", 2, 2, 192, False, 256, 128, None, jnp.float32),  # D -> 256
     # heads side by side ([B, T, H * D]: D is whole lanes), two kv heads
@@ -123,8 +125,9 @@ def test_pair_kind_matches_block_tables(T, bq, bk, causal):
     seg_k = np.pad(np.asarray(seg), ((0, 0), (0, geo.Tk - T)), mode="edge")
     kinds, k_range, q_range = (np.asarray(x) for x in flash_pallas.block_tables(
         jnp.asarray(seg_q), jnp.asarray(seg_k), geo))
-    qtab, ktab = (np.asarray(t).reshape(seg.shape[0], -1, flash_tpu.FIELDS)
-                  for t in flash_tpu.tables(seg, geo))
+    fields = [np.asarray(t).reshape(seg.shape[0], -1) for t in flash_tpu.tables(seg, geo)]
+    qtab, ktab = (np.stack(side, axis=-1) for side in (fields[:flash_tpu.FIELDS],
+                                                       fields[flash_tpu.FIELDS:]))
     np.testing.assert_array_equal(qtab[..., 4:], k_range)
     np.testing.assert_array_equal(ktab[..., 4:], q_range)
     qi, kb = np.meshgrid(np.arange(geo.nq), np.arange(geo.nk), indexing="ij")
