@@ -174,6 +174,12 @@ def _brn(b, n, r):
     return b, n, r, 0
 
 
+def range_block(first, last, step):
+    """The block at `step` of a range [first, last): first + step, held at the range's last
+    block past its end (the pipeline then issues no new copy) and at 0 for an empty range."""
+    return jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+
+
 def lanes(x_BxT):
     """[B, T] -> [B, T, 128]: each entry repeated along the lanes (a column per block)."""
     return jnp.broadcast_to(x_BxT[..., None], (*x_BxT.shape, LANES))

@@ -93,12 +93,12 @@ class RangeWalk:
 
     def fwd_block(self, t, b, kvh, qi, step):
         first, last = (f[b * self.geo.nq + qi] for f in t[4:FIELDS])
-        return jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        return mosaic.range_block(first, last, step)
 
     def fwd(self, t, b, kvh, qi, step):
         qtab, ktab = t[:FIELDS], t[FIELDS:]
         q_sum, first, last = _read(qtab, b * self.geo.nq + qi)
-        kb = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        kb = mosaic.range_block(first, last, step)
         k_sum = tuple(f[b * self.geo.nk + kb] for f in ktab[:4])
         kind = pair_kind(q_sum, k_sum, qi, kb, self.geo)
         return kb, jnp.where(first + step < last, kind, SKIP)
@@ -107,7 +107,7 @@ class RangeWalk:
         """Key block kb's run: the query blocks [first, last), then SKIP to the grid's end."""
         qtab, ktab = t[:FIELDS], t[FIELDS:]
         k_sum, first, last = _read(ktab, b * self.geo.nk + kb)
-        qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        qi = mosaic.range_block(first, last, step)
         q_sum = tuple(f[b * self.geo.nq + qi] for f in qtab[:4])
         kind = jnp.where(first + step < last, pair_kind(q_sum, k_sum, qi, kb, self.geo), SKIP)
         return kb, qi, kind, step == 0, step == self.bwd_steps - 1

@@ -60,18 +60,18 @@ class TableWalk:
     def fwd_block(self, t, b, kvh, qi, step):
         r = self._row(b, kvh) * self.geo.nq + qi
         first, last = t[1][r], t[2][r]
-        return jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        return mosaic.range_block(first, last, step)
 
     def fwd(self, t, b, kvh, qi, step):
         r = self._row(b, kvh) * self.geo.nq + qi
         first, last = t[1][r], t[2][r]
-        kb = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        kb = mosaic.range_block(first, last, step)
         return kb, jnp.where(first + step < last, self._kind(t[0], b, kvh, qi, kb), SKIP)
 
     def bwd(self, t, b, kvh, kb, step):
         r = self._row(b, kvh) * self.geo.nk + kb
         first, last = t[3][r], t[4][r]
-        qi = jnp.maximum(jnp.minimum(first + step, last - 1), 0)
+        qi = mosaic.range_block(first, last, step)
         kind = jnp.where(first + step < last, self._kind(t[0], b, kvh, qi, kb), SKIP)
         return kb, qi, kind, step == 0, step == self.bwd_steps - 1
 
