@@ -265,6 +265,19 @@ def group_block(rows: int, G: int, D_pad: int, index):
     return pl.BlockSpec((None, rows, None, G, D_pad), block_index)
 
 
+def kv_groups(x_BxTxHxD, K: int):
+    """[B, T, H, D] -> [B, T, K, G, D], the G = H / K query heads of each kv head (a free
+    reshape; read by `group_block`)."""
+    B, T, H, D = x_BxTxHxD.shape
+    return x_BxTxHxD.reshape(B, T, K, H // K, D)
+
+
+def kv_group_rows(x_BxHxT, K: int):
+    """[B, H, T] -> [B, K, G, T]: per-row statistics (lse, delta) grouped as `kv_groups`."""
+    B, H, T = x_BxHxT.shape
+    return x_BxHxT.reshape(B, K, H // K, T)
+
+
 def row_delta(do_BxTxHxD, o_BxTxHxD):
     """float32 [B, H, T]: rowsum(dO * O) of the backward, from arrays in `triton_layout`."""
     return (do_BxTxHxD.astype(jnp.float32) * o_BxTxHxD.astype(jnp.float32)).sum(-1).transpose(0, 2, 1)

@@ -166,7 +166,13 @@ def _bnr(b, n, r):
     return b, r, n
 
 
-def _row(b, n, r):  # block r of a head's row, [B, N, 1, T]
+def _row_spec(rows: int, index):
+    """BlockSpec of one head's [1, rows] row of a [B, N, 1, T] array; index(*grid, *tables)
+    -> (batch row, head, block along the tokens)."""
+    return pl.BlockSpec((None, None, 1, rows), lambda *a: _b_n_0_r(*index(*a)))
+
+
+def _b_n_0_r(b, n, r):
     return b, n, 0, r
 
 
@@ -423,7 +429,7 @@ def forward(tables, ids, qt, kt, vt, geo: Geometry, walk, out_dtype=None):
             ],
             out_specs=[
                 head_spec(bq, geo, q_index),
-                pl.BlockSpec((None, None, 1, bq), lambda *a: _row(*q_index(*a))),
+                _row_spec(bq, q_index),
             ],
             scratch_shapes=[
                 pltpu.VMEM((bq, LANES), jnp.float32),
@@ -549,8 +555,7 @@ def backward(tables, ids, qt, kt, vt, do_t, lse, geo: Geometry, walk, grad_dtype
     walk, tables = _Reads.of(walk, "bwd", tables)
 
     q_index, sq_map, kv_index, sk_map = _fwd_maps(walk_fwd, G, geo)
-    row_map = lambda b, h, i, j, *t: (b, h, 0, i)  # noqa: E731
-    row_spec = pl.BlockSpec((None, None, 1, bq), row_map)  # [B, H, 1, Tq]: a row per block
+    row_spec = _row_spec(bq, q_index)  # [B, H, 1, Tq]: a row per block
     o_in = [] if o_t is None else [o_t]
     delta_in = [] if delta is None else [delta[:, :, None]]
     dq, *delta_lanes = pl.pallas_call(

@@ -54,7 +54,8 @@ from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import backward_tile, next_pow2 as _next_pow2, pad_axis, triton_compiler_params
-from kernels_pallas.common import group_block, head_block, row_delta, triton_layout, triton_unlayout
+from kernels_pallas.common import group_block, head_block, kv_group_rows, kv_groups, row_delta
+from kernels_pallas.common import triton_layout, triton_unlayout
 
 
 
@@ -374,10 +375,7 @@ def _backward(fwd_blocks: SparseTritonBlocks, res, do):
         name="block_sparse_attention_dq",
     )(fwd_tab, seg_p, seg_p, qt, kt, vt, dot, lse, delta)
 
-    # Query-side arrays per kv head (free reshapes): q and do [B, Tp, H, Dp] ->
-    # [B, Tp, K, G, Dp], lse and delta [B, H, Tp] -> [B, K, G, Tp].
-    grouped_heads = lambda x: x.reshape(B, Tp, K, G, Dp)  # noqa: E731
-    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    # Query-side arrays per kv head: common.kv_groups / kv_group_rows (free reshapes).
     Wb = bwd_tab.shape[-1]
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, blocks=blocks, G=G),
@@ -404,7 +402,8 @@ def _backward(fwd_blocks: SparseTritonBlocks, res, do):
         interpret=blocks.interpret,
         compiler_params=triton_compiler_params(blocks.interpret, blocks.tile ** 2),
         name="block_sparse_attention_dkv",
-    )(bwd_tab, seg_p, seg_p, grouped_heads(qt), kt, vt, grouped_heads(dot), grouped(lse), grouped(delta))
+    )(bwd_tab, seg_p, seg_p, kv_groups(qt, K), kt, vt, kv_groups(dot, K), kv_group_rows(lse, K),
+      kv_group_rows(delta, K))
     return (
         _unlayout(dq, blocks, q.dtype),
         _unlayout(dk, blocks, k.dtype),

@@ -48,7 +48,8 @@ from jax.experimental import pallas as pl
 from kernels_pallas.common import NEG, BlockGrid, NN as _NN, NT as _NT, TN as _TN, triton_dot as _mm
 from kernels_pallas.common import next_pow2 as _next_pow2, pad_axis, range_of_true
 from kernels_pallas.common import backward_blocks, triton_compiler_params, unless_skip
-from kernels_pallas.common import group_block, head_block, row_delta, triton_layout, triton_unlayout
+from kernels_pallas.common import group_block, head_block, kv_group_rows, kv_groups, row_delta
+from kernels_pallas.common import triton_layout, triton_unlayout
 
 SKIP, FULL, PARTIAL = 0, 1, 2
 
@@ -320,10 +321,7 @@ def _backward(fwd_blocks: FlashTritonBlocks, res, do):
         name="flash_attention_dq",
     )(kinds, k_range, seg_q, seg_k, qt, kt, vt, dot, lse, delta)
 
-    # Query-side arrays seen per kv head (free reshapes): q and do [B, Tq, H, Dp] ->
-    # [B, Tq, K, G, Dp], lse and delta [B, H, Tq] -> [B, K, G, Tq].
-    grouped_heads = lambda x: x.reshape(B, Tq, K, G, Dp)  # noqa: E731
-    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    # Query-side arrays per kv head: common.kv_groups / kv_group_rows (free reshapes).
     dk, dv = pl.pallas_call(
         functools.partial(_dkv_kernel, blocks=blocks, G=G),
         grid=(B, K, blocks.nk),
@@ -352,7 +350,7 @@ def _backward(fwd_blocks: FlashTritonBlocks, res, do):
         name="flash_attention_dkv",
     )(
         kinds.transpose(0, 2, 1), q_range, seg_q, seg_k,
-        grouped_heads(qt), kt, vt, grouped_heads(dot), grouped(lse), grouped(delta),
+        kv_groups(qt, K), kt, vt, kv_groups(dot, K), kv_group_rows(lse, K), kv_group_rows(delta, K),
     )
     return (
         triton_unlayout(dq, blocks.T, blocks.D, q.dtype),

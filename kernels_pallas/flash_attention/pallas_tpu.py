@@ -65,10 +65,15 @@ def tables(seg_BxT, geo: Geometry):
     return _fields(seg_q, geo.bq, k_range) + _fields(seg_k, geo.bk, q_range)
 
 
-def _read(fields, row):
-    """(summary, first, last) of one block: fields are one side's FIELDS refs, row the block's
-    index into them (b * n + block)."""
-    return tuple(f[row] for f in fields[:4]), fields[4][row], fields[5][row]
+def _summary(fields, row):
+    """(lo, hi, has_padding, uniform id) of one block: fields are one side's FIELDS refs, row
+    the block's index into them (b * n + block)."""
+    return tuple(f[row] for f in fields[:4])
+
+
+def _range(fields, row):
+    """(first, last) of one block's visit range (fields, row as in `_summary`)."""
+    return fields[4][row], fields[5][row]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,24 +97,24 @@ class RangeWalk:
         return self.geo.nq
 
     def fwd_block(self, t, b, kvh, qi, step):
-        first, last = (f[b * self.geo.nq + qi] for f in t[4:FIELDS])
-        return mosaic.range_block(first, last, step)
+        return mosaic.range_block(*_range(t[:FIELDS], b * self.geo.nq + qi), step)
 
     def fwd(self, t, b, kvh, qi, step):
         qtab, ktab = t[:FIELDS], t[FIELDS:]
-        q_sum, first, last = _read(qtab, b * self.geo.nq + qi)
+        first, last = _range(qtab, b * self.geo.nq + qi)
         kb = mosaic.range_block(first, last, step)
-        k_sum = tuple(f[b * self.geo.nk + kb] for f in ktab[:4])
-        kind = pair_kind(q_sum, k_sum, qi, kb, self.geo)
+        kind = pair_kind(_summary(qtab, b * self.geo.nq + qi),
+                         _summary(ktab, b * self.geo.nk + kb), qi, kb, self.geo)
         return kb, jnp.where(first + step < last, kind, SKIP)
 
     def bwd(self, t, b, kvh, kb, step):
         """Key block kb's run: the query blocks [first, last), then SKIP to the grid's end."""
         qtab, ktab = t[:FIELDS], t[FIELDS:]
-        k_sum, first, last = _read(ktab, b * self.geo.nk + kb)
+        first, last = _range(ktab, b * self.geo.nk + kb)
         qi = mosaic.range_block(first, last, step)
-        q_sum = tuple(f[b * self.geo.nq + qi] for f in qtab[:4])
-        kind = jnp.where(first + step < last, pair_kind(q_sum, k_sum, qi, kb, self.geo), SKIP)
+        kind = pair_kind(_summary(qtab, b * self.geo.nq + qi),
+                         _summary(ktab, b * self.geo.nk + kb), qi, kb, self.geo)
+        kind = jnp.where(first + step < last, kind, SKIP)
         return kb, qi, kind, step == 0, step == self.bwd_steps - 1
 
 

@@ -43,7 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kernels_pallas.common import NEG, NN, NT, TN, backward_blocks, pad_axis, triton_compiler_params, triton_dot as _mm, unless_skip
-from kernels_pallas.common import group_block, head_block, out_struct as _out_struct, triton_layout, triton_unlayout
+from kernels_pallas.common import group_block, head_block, kv_group_rows, kv_groups, out_struct as _out_struct
+from kernels_pallas.common import triton_layout, triton_unlayout
 from kernels_pallas.ring_chunk import tables
 from kernels_pallas.ring_chunk.tables import SKIP, ChunkBlocks
 
@@ -259,10 +260,7 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
         q_blk, _out_struct((B, Lqp, H, Dp), grad_dtype, qt), blocks,
     )(kinds, k_range, *ids, qt, kt, vt, dot_, lse_t, delta_t)
 
-    # Query-side arrays seen per kv head (free reshapes): q and do [B, Lqp, H, Dp] ->
-    # [B, Lqp, K, G, Dp], lse and delta [B, H, Lqp] -> [B, K, G, Lqp].
-    grouped_heads = lambda x: x.reshape(B, Lqp, K, G, Dp)  # noqa: E731
-    grouped = lambda x: x.reshape(B, K, G, *x.shape[2:])  # noqa: E731
+    # Query-side arrays per kv head: common.kv_groups / kv_group_rows (free reshapes).
     q_all_ids = pl.BlockSpec((None, Lqp), lambda b, h, j: (b, 0))
     k_blk_ids = pl.BlockSpec((None, bk), lambda b, h, j: (b, j))
     q_all = group_block(Lqp, G, Dp, lambda b, h, j: (b, h))
@@ -279,7 +277,7 @@ def chunk_backward_pallas(q, k, v, seg_q, pos_q, seg_k, pos_k, do, lse, delta, a
         [kv_blk, kv_blk],
         [_out_struct((B, Lkp, K, Dp), grad_dtype, kt)] * 2,
         blocks,
-    )(kinds_t, q_range, *ids, grouped_heads(qt), kt, vt, grouped_heads(dot_),
-      grouped(lse_t), grouped(delta_t))
+    )(kinds_t, q_range, *ids, kv_groups(qt, K), kt, vt, kv_groups(dot_, K),
+      kv_group_rows(lse_t, K), kv_group_rows(delta_t, K))
     return (_unlayout(dq, blocks.Lq, blocks), _unlayout(dk, blocks.Lk, blocks),
             _unlayout(dv, blocks.Lk, blocks))

@@ -57,14 +57,16 @@ class TableWalk:
     def _kind(self, kinds, b, kvh, qi, kb):
         return kinds[(self._row(b, kvh) * self.geo.nq + qi) * self.geo.nk + kb]
 
-    def fwd_block(self, t, b, kvh, qi, step):
+    def _key_range(self, t, b, kvh, qi):
+        """(first, last) of the key blocks query block qi visits."""
         r = self._row(b, kvh) * self.geo.nq + qi
-        first, last = t[1][r], t[2][r]
-        return mosaic.range_block(first, last, step)
+        return t[1][r], t[2][r]
+
+    def fwd_block(self, t, b, kvh, qi, step):
+        return mosaic.range_block(*self._key_range(t, b, kvh, qi), step)
 
     def fwd(self, t, b, kvh, qi, step):
-        r = self._row(b, kvh) * self.geo.nq + qi
-        first, last = t[1][r], t[2][r]
+        first, last = self._key_range(t, b, kvh, qi)
         kb = mosaic.range_block(first, last, step)
         return kb, jnp.where(first + step < last, self._kind(t[0], b, kvh, qi, kb), SKIP)
 
